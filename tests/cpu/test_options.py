@@ -1,0 +1,300 @@
+"""Bad options fail at start-up (engine-config build) with a message naming the key,
+the bad value and the valid choices; good ones are parsed and carried."""
+
+import json
+
+import pytest
+
+from vllm_dspark import config as dspark_config
+from vllm_dspark.config import DSparkOptionError, DSparkOptions, resolve_options
+
+K = 7  # the tiny DSpark draft's block size
+
+
+def spec(model_dirs, draft="dspark", **options):
+    if draft == "ngram":
+        base = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    else:
+        base = dict(method=draft.split("_")[0], model=model_dirs[draft], num_speculative_tokens=K)
+    return {**base, **options}
+
+
+# (case, draft, --speculative-config options, environment, substrings the error must hold)
+BAD_INPUTS = [
+    (
+        "unknown key",
+        "dspark",
+        {"dspark_capacty": "budget"},
+        {},
+        ["'dspark_capacty'", "Did you mean dspark_capacity?", "dspark_budget_frac"],
+    ),
+    (
+        "unknown env",
+        "dspark",
+        {},
+        {"VLLM_DSPARK_CAPACTY": "budget"},
+        ["VLLM_DSPARK_CAPACTY", "Did you mean VLLM_DSPARK_CAPACITY?"],
+    ),
+    (
+        "bad mode",
+        "dspark",
+        {"dspark_capacity": "fast"},
+        {},
+        ["dspark_capacity='fast'", "off, threshold, budget, sps"],
+    ),
+    (
+        "mode wrong type",
+        "dspark",
+        {"dspark_capacity": 1},
+        {},
+        ["dspark_capacity=1", "off, threshold, budget, sps"],
+    ),
+    (
+        "threshold above 1",
+        "dspark",
+        {"dspark_capacity": "threshold", "dspark_confidence_threshold": 1.5},
+        {},
+        ["dspark_confidence_threshold=1.5", "(0, 1)"],
+    ),
+    (
+        "threshold zero",
+        "dspark",
+        {"dspark_capacity": "threshold", "dspark_confidence_threshold": 0.0},
+        {},
+        ["dspark_confidence_threshold=0.0", "(0, 1)"],
+    ),
+    (
+        "threshold string",
+        "dspark",
+        {"dspark_capacity": "threshold", "dspark_confidence_threshold": "high"},
+        {},
+        ["'high'", "a number in (0, 1)"],
+    ),
+    (
+        "threshold bool",
+        "dspark",
+        {"dspark_capacity": "threshold", "dspark_confidence_threshold": True},
+        {},
+        ["=True", "a number in (0, 1)"],
+    ),
+    (
+        "budget zero",
+        "dspark",
+        {"dspark_capacity": "budget", "dspark_budget_frac": 0.0},
+        {},
+        ["dspark_budget_frac=0.0", "(0, 1]"],
+    ),
+    (
+        "budget above 1",
+        "dspark",
+        {"dspark_capacity": "budget", "dspark_budget_frac": 1.5},
+        {},
+        ["dspark_budget_frac=1.5", "(0, 1]"],
+    ),
+    (
+        "curve not increasing",
+        "dspark",
+        {"dspark_capacity": "sps", "dspark_sps_curve": [[1, 100.0], [1, 90.0]]},
+        {},
+        ["dspark_sps_curve", "strictly increasing"],
+    ),
+    (
+        "curve zero speed",
+        "dspark",
+        {"dspark_capacity": "sps", "dspark_sps_curve": [[1, 100.0], [8, 0.0]]},
+        {},
+        ["dspark_sps_curve", "must be positive"],
+    ),
+    (
+        "curve one point",
+        "dspark",
+        {"dspark_capacity": "sps", "dspark_sps_curve": [[1, 100.0]]},
+        {},
+        ["dspark_sps_curve", "at least two points"],
+    ),
+    (
+        "curve missing file",
+        "dspark",
+        {"dspark_capacity": "sps", "dspark_sps_curve": "/nonexistent/curve.json"},
+        {},
+        ["/nonexistent/curve.json", '"auto"'],
+    ),
+    (
+        "temperature negative",
+        "dspark",
+        {"dspark_capacity": "budget", "dspark_confidence_temperature": [1.0, -0.5]},
+        {},
+        ["dspark_confidence_temperature=[1.0, -0.5]", "positive"],
+    ),
+    (
+        "temperature empty",
+        "dspark",
+        {"dspark_capacity": "budget", "dspark_confidence_temperature": []},
+        {},
+        ["dspark_confidence_temperature=[]"],
+    ),
+    (
+        "bool wrong type",
+        "dspark",
+        {"dspark_fp8_draft_head": "maybe"},
+        {},
+        ["dspark_fp8_draft_head='maybe'", "true or false"],
+    ),
+    (
+        "env bool",
+        "dspark",
+        {},
+        {"VLLM_DSPARK_FP8_DRAFT_HEAD": "maybe"},
+        ["VLLM_DSPARK_FP8_DRAFT_HEAD='maybe'", "true or false"],
+    ),
+    (
+        "env out of range",
+        "dspark",
+        {"dspark_capacity": "threshold"},
+        {"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "2"},
+        ["VLLM_DSPARK_CONFIDENCE_THRESHOLD=2", "(0, 1)"],
+    ),
+    (
+        "option without its mode",
+        "dspark",
+        {"dspark_confidence_threshold": 0.7},
+        {},
+        ["dspark_confidence_threshold only applies with dspark_capacity=threshold", "'off'"],
+    ),
+    (
+        "varlen without capacity",
+        "dspark",
+        {"dspark_varlen_verify": True},
+        {},
+        ["dspark_varlen_verify only applies with", "dspark_capacity=sps"],
+    ),
+    (
+        "confidence mode with dflash",
+        "dflash",
+        {"dspark_capacity": "threshold"},
+        {},
+        ["dspark_capacity='threshold' needs method 'dspark'", "method='dflash'", "capacity=off"],
+    ),
+    (
+        "markov head with dflash",
+        "dflash",
+        {"dspark_fp8_markov_head": True},
+        {},
+        ["dspark_fp8_markov_head=True needs method 'dspark'"],
+    ),
+    (
+        "another method",
+        "ngram",
+        {"dspark_fp8_draft_head": True},
+        {},
+        ["need speculative method dspark or dflash", "method='ngram'"],
+    ),
+    (
+        "no confidence head",
+        "dspark_no_confidence",
+        {"dspark_capacity": "budget"},
+        {},
+        [
+            "dspark_capacity='budget' needs a draft checkpoint with a confidence head",
+            "dspark_no_confidence",
+            "capacity=off",
+        ],
+    ),
+    (
+        "not implemented",
+        "dspark",
+        {"dspark_fp8_draft_head": True},
+        {},
+        ["dspark_fp8_draft_head not implemented in this version"],
+    ),
+    (
+        "dash spelling",
+        "dspark",
+        {"dspark-capacity": "budget"},
+        {},
+        ["dspark_capacity not implemented in this version"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "draft,options,environ,expected",
+    [case[1:] for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
+)
+def test_bad_input_fails_at_startup(
+    engine_config, model_dirs, monkeypatch, draft, options, environ, expected
+):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DSparkOptionError) as error:
+        engine_config(spec(model_dirs, draft, **options))
+    message = str(error.value)
+    assert message.startswith("vllm-dspark: ")
+    for text in expected:
+        assert text in message
+
+
+def test_env_without_speculative_config_fails(engine_config, monkeypatch):
+    monkeypatch.setenv("VLLM_DSPARK_FP8_DRAFT_HEAD", "1")
+    with pytest.raises(DSparkOptionError, match="VLLM_DSPARK|dspark_fp8_draft_head set but"):
+        engine_config(None)
+
+
+def test_environment_wins_and_is_reported():
+    options, overrides = resolve_options(
+        {"dspark_capacity": "threshold", "dspark_confidence_threshold": 0.3},
+        {"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.8", "VLLM_DSPARK_ONLINE_STS": "true"},
+    )
+    assert options.capacity == "threshold"
+    assert options.confidence_threshold == 0.8
+    assert options.online_sts is True
+    assert overrides == [
+        "VLLM_DSPARK_CONFIDENCE_THRESHOLD=0.8 overrides dspark_confidence_threshold=0.3"
+    ]
+
+
+def test_lists_from_files_and_inline_json(tmp_path):
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"curve": [[1, 200.0], [64, 150.0], [256, 60.0]]}))
+    temps = tmp_path / "calibration.json"
+    temps.write_text(json.dumps({"temperatures": [1.0, 1.2, 1.5]}))
+    options, _ = resolve_options(
+        {
+            "dspark_capacity": "sps",
+            "dspark_sps_curve": str(curve),
+            "dspark_confidence_temperature": str(temps),
+        },
+        {},
+    )
+    assert options.sps_curve == [(1, 200.0), (64, 150.0), (256, 60.0)]
+    assert options.confidence_temperature == [1.0, 1.2, 1.5]
+    options, _ = resolve_options(
+        {"dspark_capacity": "sps"}, {"VLLM_DSPARK_SPS_CURVE": "[[1, 10.0], [2, 9.0]]"}
+    )
+    assert options.sps_curve == [(1, 10.0), (2, 9.0)]
+
+
+def test_defaults_are_inactive():
+    options, _ = resolve_options({}, {})
+    assert options == DSparkOptions()
+    assert not options.active
+    # Setting an option to its default value changes nothing either.
+    assert not resolve_options({"dspark_capacity": "off"}, {})[0].active
+
+
+def test_options_are_carried_in_the_engine_config(engine_config, model_dirs, monkeypatch):
+    # Pretend every option is implemented, to test the carrying on its own.
+    monkeypatch.setattr(dspark_config, "NOT_IMPLEMENTED", frozenset())
+    stock = engine_config(spec(model_dirs))
+    speculative = spec(model_dirs, dspark_capacity="budget", dspark_budget_frac=0.5)
+    config = engine_config(speculative)
+    assert config.additional_config["dspark"] == {"capacity": "budget", "budget_frac": 0.5}
+    restored = DSparkOptions.from_vllm_config(config)
+    assert (restored.capacity, restored.budget_frac) == ("budget", 0.5)
+    assert DSparkOptions.from_vllm_config(stock) == DSparkOptions()
+    # Options change the graphs, so they must change the config hash.
+    assert config.compute_hash() != stock.compute_hash()
+    # The caller's dict is not consumed: the same options give the same config again.
+    assert "dspark_capacity" in speculative
+    assert engine_config(speculative).compute_hash() == config.compute_hash()

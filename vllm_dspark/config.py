@@ -1,0 +1,353 @@
+"""vllm-dspark's options: one typed object, validated once at start-up.
+
+Users set options as ``dspark_*`` keys of ``--speculative-config`` (or of
+``LLM(speculative_config=...)``) and as ``VLLM_DSPARK_*`` environment variables;
+the environment wins. The resolved options travel to every vLLM process inside
+``VllmConfig.additional_config["dspark"]`` (and so take part in its hash); with
+no option set nothing is stored there and vLLM runs exactly as stock.
+
+Validation happens in three steps, all before the engine starts:
+
+1. :func:`resolve_options` parses and type-checks the raw values (unknown keys,
+   wrong types, out-of-range numbers, malformed curves, options set for a mode
+   that does not use them);
+2. :func:`check_against_speculative_config` checks them against the speculative
+   config vLLM built (method, draft checkpoint);
+3. :func:`check_implemented` refuses options this version does not implement yet.
+
+Every failure raises :class:`DSparkOptionError` naming the key, the bad value and
+the valid choices.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+KEY_PREFIX = "dspark_"
+ENV_PREFIX = "VLLM_DSPARK_"
+ADDITIONAL_CONFIG_KEY = "dspark"
+
+# Methods whose drafters this plugin extends.
+SUPPORTED_METHODS = ("dspark", "dflash")
+# Capacity modes that rank drafts by the DSpark confidence head.
+CONFIDENCE_MODES = ("threshold", "budget", "sps")
+
+StrictFloat = Annotated[float, Strict()]
+StrictBool = Annotated[bool, Strict()]
+
+
+class DSparkOptionError(ValueError):
+    """A vllm-dspark option is unknown, malformed, or does not fit the config."""
+
+
+def _valid(text: str) -> dict[str, Any]:
+    # Human-readable valid range, shown in error messages and by `vllm-dspark doctor`.
+    return {"valid": text}
+
+
+class DSparkOptions(BaseModel):
+    """Every option of vllm-dspark; the defaults are stock vLLM's behaviour."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    capacity: Literal["off", "threshold", "budget", "sps"] = Field(
+        "off", json_schema_extra=_valid("one of: off, threshold, budget, sps")
+    )
+    """How many of the K drafts each request verifies per target step. ``off``: all K
+    (stock). ``threshold``: the longest prefix whose survival is at least
+    ``confidence_threshold``. ``budget``: the highest-survival (request, position) slots
+    of the batch, up to ceil(R*K*budget_frac). ``sps``: the admission count that
+    maximises expected tokens per second on the target's SPS curve."""
+
+    confidence_threshold: StrictFloat = Field(
+        0.5, gt=0.0, lt=1.0, json_schema_extra=_valid("a number in (0, 1)")
+    )
+    """Survival threshold of ``capacity=threshold``."""
+
+    budget_frac: StrictFloat = Field(
+        1.0, gt=0.0, le=1.0, json_schema_extra=_valid("a number in (0, 1]")
+    )
+    """Cap on admitted drafts per step as a fraction of R*K (``budget`` and ``sps``)."""
+
+    sps_curve: Literal["auto"] | list[tuple[int, float]] = Field(
+        "auto",
+        json_schema_extra=_valid(
+            '"auto", a JSON list of [tokens_per_step, steps_per_second] pairs with '
+            "tokens strictly increasing and speeds > 0, or the path of a JSON file "
+            "holding such a list"
+        ),
+    )
+    """Target steps per second against tokens per step, for ``capacity=sps``;
+    ``auto`` profiles it at start-up from CUDA-graph replays."""
+
+    confidence_temperature: list[StrictFloat] | None = Field(
+        None,
+        json_schema_extra=_valid(
+            "a JSON list of positive numbers (one per draft position), or the path of "
+            'a JSON file holding such a list or {"temperatures": [...]}'
+        ),
+    )
+    """Per-position temperatures of the confidence head; unset means the draft
+    checkpoint's ``dspark_calibration.json`` when present, else 1."""
+
+    online_sts: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Refit the per-position confidence temperatures while serving (online
+    Sequential Temperature Scaling)."""
+
+    dynamic_depth: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Compute only as many sequential draft positions as recent load admits."""
+
+    varlen_verify: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Verify only the admitted drafts, packed without padding (compact variable-length
+    verification)."""
+
+    fp8_draft_head: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Draft with a private rowwise-FP8 copy of the LM head; verification keeps bf16."""
+
+    fp8_markov_head: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Also use rowwise FP8 for the DSpark Markov head's vocabulary projection."""
+
+    @field_validator("sps_curve", mode="before")
+    @classmethod
+    def _load_curve(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            return _load_json_list(value, key="curve")
+        return value
+
+    @field_validator("sps_curve")
+    @classmethod
+    def _check_curve(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if len(value) < 2:
+            raise ValueError("needs at least two points")
+        tokens = [t for t, _ in value]
+        if any(b <= a for a, b in itertools.pairwise(tokens)) or tokens[0] < 1:
+            raise ValueError("tokens per step must be positive and strictly increasing")
+        if any(speed <= 0 for _, speed in value):
+            raise ValueError("steps per second must be positive")
+        return value
+
+    @field_validator("confidence_temperature", mode="before")
+    @classmethod
+    def _load_temperatures(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _load_json_list(value, key="temperatures")
+        return value
+
+    @field_validator("confidence_temperature")
+    @classmethod
+    def _check_temperatures(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and (not value or any(t <= 0 for t in value)):
+            raise ValueError("temperatures must be a non-empty list of positive numbers")
+        return value
+
+    @model_validator(mode="after")
+    def _check_modes(self) -> DSparkOptions:
+        # An option set for a mode that does not read it would be silently ignored.
+        needs = {
+            "confidence_threshold": ("threshold",),
+            "budget_frac": ("budget", "sps"),
+            "sps_curve": ("sps",),
+            "confidence_temperature": CONFIDENCE_MODES,
+            "online_sts": CONFIDENCE_MODES,
+            "dynamic_depth": CONFIDENCE_MODES,
+            "varlen_verify": CONFIDENCE_MODES,
+        }
+        for name, modes in needs.items():
+            if name in self.model_fields_set and self.capacity not in modes:
+                choices = ", ".join(f"{KEY_PREFIX}capacity={m}" for m in modes)
+                raise ValueError(
+                    f"{KEY_PREFIX}{name} only applies with {choices}; "
+                    f"{KEY_PREFIX}capacity is {self.capacity!r}"
+                )
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether any option differs from stock behaviour."""
+        return bool(self.non_default())
+
+    def non_default(self) -> dict[str, Any]:
+        """The options that differ from their defaults, JSON-serialisable."""
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> DSparkOptions:
+        """The options carried by a ``VllmConfig`` (defaults when none were set)."""
+        extra = vllm_config.additional_config
+        stored = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+        return cls.model_validate(stored or {})
+
+
+OPTION_NAMES = tuple(DSparkOptions.model_fields)
+
+
+def _load_json_list(text: str, key: str) -> Any:
+    """A JSON list given inline, or the path of a JSON file with a list (or {key: list})."""
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"not a JSON list and no such file: {text}")
+    data = json.loads(path.read_text())
+    return data[key] if isinstance(data, dict) and key in data else data
+
+
+def _env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper()
+
+
+def _closest(name: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean {match[0]}?" if match else ""
+
+
+def _parse_env_value(option: str, text: str) -> Any:
+    """Environment values are strings: read booleans and JSON, keep the rest as text."""
+    if DSparkOptions.model_fields[option].annotation == StrictBool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _format_errors(error: ValidationError, sources: Mapping[str, str], raw: Mapping) -> str:
+    # One message per option; a union reports each branch, so prefer our own checks.
+    by_option: dict[str | None, dict] = {}
+    for item in error.errors():
+        option = item["loc"][0] if item["loc"] else None
+        if option not in by_option or item["type"] == "value_error":
+            by_option[option] = item
+    lines = []
+    for option, item in by_option.items():
+        message = item["msg"].removeprefix("Value error, ")
+        if option in sources:
+            valid = DSparkOptions.model_fields[option].json_schema_extra["valid"]
+            lines.append(
+                f"{sources[option]}={raw[option]!r} is invalid: {message}. Valid: {valid}."
+            )
+        else:  # a check across options
+            lines.append(message + ".")
+    return "vllm-dspark: " + " ".join(lines)
+
+
+def resolve_options(
+    spec_keys: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> tuple[DSparkOptions, list[str]]:
+    """Parse ``dspark_*`` keys and ``VLLM_DSPARK_*`` variables into options.
+
+    Returns the options and one log line per environment variable that overrode a key.
+    """
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    keys = [KEY_PREFIX + name for name in OPTION_NAMES]
+    for key, value in spec_keys.items():
+        name = key.removeprefix(KEY_PREFIX)
+        if name not in OPTION_NAMES:
+            raise DSparkOptionError(
+                f"vllm-dspark: unknown option {key!r} in the speculative config."
+                f"{_closest(key, keys)} Valid options: {', '.join(keys)}."
+            )
+        raw[name], sources[name] = value, key
+    overrides = []
+    env_names = [_env_name(name) for name in OPTION_NAMES]
+    for env, text in sorted(environ.items()):
+        if not env.startswith(ENV_PREFIX):
+            continue
+        name = env.removeprefix(ENV_PREFIX).lower()
+        if name not in OPTION_NAMES:
+            raise DSparkOptionError(
+                f"vllm-dspark: unknown environment variable {env}.{_closest(env, env_names)} "
+                f"Valid variables: {', '.join(env_names)}."
+            )
+        value = _parse_env_value(name, text)
+        if name in raw:
+            overrides.append(f"{env}={text} overrides {sources[name]}={raw[name]!r}")
+        raw[name], sources[name] = value, env
+    try:
+        return DSparkOptions(**raw), overrides
+    except ValidationError as error:
+        raise DSparkOptionError(_format_errors(error, sources, raw)) from None
+
+
+def _draft_has_confidence_head(speculative_config: Any) -> bool:
+    draft = getattr(speculative_config, "draft_model_config", None)
+    hf_config = getattr(draft, "hf_config", None)
+    return bool(getattr(hf_config, "enable_confidence_head", False))
+
+
+def check_against_speculative_config(options: DSparkOptions, speculative_config: Any) -> None:
+    """Refuse options that do not fit the speculative config vLLM built."""
+    if not options.active:
+        return
+    set_keys = ", ".join(KEY_PREFIX + name for name in options.non_default())
+    if speculative_config is None:
+        raise DSparkOptionError(
+            f"vllm-dspark: {set_keys} set but speculative decoding is off; pass "
+            '--speculative-config with "method": "dspark" or "dflash".'
+        )
+    method = speculative_config.method
+    if method not in SUPPORTED_METHODS:
+        raise DSparkOptionError(
+            f"vllm-dspark: {set_keys} need speculative method dspark or dflash; "
+            f"got method={method!r}."
+        )
+    # Every capacity mode so far ranks drafts by confidence, which DFlash lacks.
+    dspark_only = [
+        name
+        for name in ("capacity", "online_sts", "fp8_markov_head")
+        if name in options.non_default()
+    ]
+    if method != "dspark" and dspark_only:
+        name = dspark_only[0]
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}{name}={getattr(options, name)!r} needs method "
+            f"'dspark' (a drafter with a confidence/Markov head); got method={method!r}. "
+            f"Valid with {method}: {KEY_PREFIX}capacity=off."
+        )
+    if options.capacity in CONFIDENCE_MODES and not _draft_has_confidence_head(speculative_config):
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}capacity={options.capacity!r} needs a draft "
+            "checkpoint with a confidence head (enable_confidence_head: true in its "
+            f"config.json); {speculative_config.model} has none. Valid without one: "
+            f"{KEY_PREFIX}capacity=off."
+        )
+
+
+# Options declared for the issues still to come; each leaves this set when it ships.
+NOT_IMPLEMENTED = frozenset(OPTION_NAMES)
+
+
+def check_implemented(options: DSparkOptions) -> None:
+    missing = sorted(set(options.non_default()) & NOT_IMPLEMENTED)
+    if missing:
+        from vllm_dspark import __version__
+
+        names = ", ".join(f"{KEY_PREFIX}{name}" for name in missing)
+        raise DSparkOptionError(
+            f"vllm-dspark: {names} not implemented in this version ({__version__})."
+        )

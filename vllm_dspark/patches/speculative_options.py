@@ -1,0 +1,80 @@
+"""Take vllm-dspark's options out of the speculative config before vLLM validates it.
+
+What: wraps ``EngineArgs.create_speculative_config``. The ``dspark_*`` keys of the
+speculative-config dict are set aside, merged with the ``VLLM_DSPARK_*`` environment
+(which wins, with a log line), validated, checked against the ``SpeculativeConfig``
+vLLM then builds from the remaining keys, and stored in
+``EngineArgs.additional_config["dspark"]``, from which ``VllmConfig`` carries them to
+every engine-core and worker process. With no option set it calls the stock method
+and stores nothing, so the config (and its hash) stays stock.
+Why: ``SpeculativeConfig`` is a pydantic dataclass with ``extra="forbid"``, so an
+unknown key fails, and vLLM has no way for a plugin to declare speculative options.
+Upstream: no plugin-extensible speculative config in vLLM 0.26.0 (a speculator
+registry is proposed in vllm-project/vllm#36219).
+Remove when: vLLM lets plugins declare speculative-config fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
+
+from vllm_dspark.config import (
+    ADDITIONAL_CONFIG_KEY,
+    KEY_PREFIX,
+    DSparkOptionError,
+    check_against_speculative_config,
+    check_implemented,
+    resolve_options,
+)
+from vllm_dspark.patches.wrapping import wrap
+
+# Under vLLM's logger namespace, so that our lines share its handlers and format.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def _split_keys(spec: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(vLLM's keys, our keys); vLLM itself accepts '-' for '_' in key names."""
+    if spec is None:
+        return None, {}
+    prefixes = (KEY_PREFIX, KEY_PREFIX.replace("_", "-"))
+    ours = {k.replace("-", "_"): v for k, v in spec.items() if k.startswith(prefixes)}
+    theirs = {k: v for k, v in spec.items() if not k.startswith(prefixes)}
+    return theirs, ours
+
+
+def _make_wrapper(create_speculative_config):
+    def create_speculative_config_with_dspark(self: EngineArgs, *args, **kwargs):
+        stock_keys, our_keys = _split_keys(self.speculative_config)
+        options, overrides = resolve_options(our_keys)
+        for line in overrides:
+            logger.warning("vllm-dspark: %s (the environment wins).", line)
+        self.speculative_config = stock_keys
+        try:
+            speculative_config = create_speculative_config(self, *args, **kwargs)
+        finally:
+            # Put our keys back so that building the config again sees them again.
+            if our_keys:
+                self.speculative_config = {**(self.speculative_config or {}), **our_keys}
+        check_against_speculative_config(options, speculative_config)
+        check_implemented(options)
+        if options.active:
+            if not isinstance(self.additional_config, dict):
+                raise DSparkOptionError(
+                    "vllm-dspark: options need additional_config to be a dict; got "
+                    f"{type(self.additional_config).__name__}."
+                )
+            self.additional_config = {
+                **self.additional_config,
+                ADDITIONAL_CONFIG_KEY: options.non_default(),
+            }
+            logger.info("vllm-dspark options: %s", options.non_default())
+        return speculative_config
+
+    return create_speculative_config_with_dspark
+
+
+def apply() -> None:
+    wrap(EngineArgs, "create_speculative_config", _make_wrapper)
