@@ -1,0 +1,30 @@
+from vllm.v1.metrics.reader import Counter, Vector
+
+from vllm_dspark.metrics import SpecDecodeCounts
+
+
+def snapshot(drafts, accepted, per_pos):
+    labels = {"engine": "0"}
+    return SpecDecodeCounts.from_metrics(
+        [
+            Counter("vllm:spec_decode_num_drafts", labels, drafts),
+            Counter("vllm:spec_decode_num_draft_tokens", labels, 3 * drafts),
+            Counter("vllm:spec_decode_num_accepted_tokens", labels, accepted),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, per_pos),
+            Counter("vllm:num_requests_running", labels, 99),
+        ]
+    )
+
+
+def test_difference_of_snapshots_gives_the_run():
+    before = snapshot(10, 12, [8, 3, 1])
+    after = snapshot(30, 42, [26, 12, 4])
+    run = after - before
+    assert (run.drafts, run.draft_tokens, run.accepted_tokens) == (20, 60, 30)
+    assert run.accepted_per_position == [18, 9, 3]
+    assert run.acceptance_length == 2.5
+    assert run.per_position_acceptance == [0.9, 0.45, 0.15]
+
+
+def test_no_drafts_gives_nan():
+    assert SpecDecodeCounts().acceptance_length != SpecDecodeCounts().acceptance_length

@@ -1,0 +1,138 @@
+"""`vllm-dspark demo`: the embedded model pair through vLLM, without and with DSpark.
+
+Runs held-out prompts greedily through stock vLLM twice (no speculation, then DSpark
+with k drafts), and reports tokens per second, the ratio, mean acceptance length,
+per-position acceptance, and whether the greedy outputs are identical.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from importlib.resources import files
+from pathlib import Path
+
+from vllm_dspark.metrics import SpecDecodeCounts
+
+EMBEDDED_PAIR = Path(str(files("vllm_dspark") / "data" / "tiny_pair"))
+
+
+@dataclass
+class ArmResult:
+    tok_s: float
+    seconds: float
+    output_tokens: int
+    token_ids: list[list[int]]
+    spec: SpecDecodeCounts | None
+
+
+def load_prompts(pair_dir: Path, num_prompts: int) -> list[list[int]]:
+    prompts = json.loads((pair_dir / "heldout_prompts.json").read_text())
+    return prompts[:num_prompts]
+
+
+def run_arm(pair_dir: Path, prompts, max_tokens: int, k: int | None, dtype: str) -> ArmResult:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    speculative = None
+    if k is not None:
+        speculative = {
+            "method": "dspark",
+            "model": str(pair_dir / "draft"),
+            "num_speculative_tokens": k,
+        }
+    llm = LLM(
+        model=str(pair_dir / "target"),
+        dtype=dtype,
+        seed=0,
+        max_model_len=2048,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.35,
+        disable_log_stats=False,
+        speculative_config=speculative,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": ids} for ids in prompts]
+    llm.generate(batch[:8], params, use_tqdm=False)  # warm-up
+    before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    spec = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before if k else None
+    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    tokens = sum(map(len, token_ids))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ArmResult(tokens / seconds, seconds, tokens, token_ids, spec)
+
+
+def plot_acceptance(per_position: list[float], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    positions = range(1, len(per_position) + 1)
+    ax.bar(positions, per_position, color="#3b75af")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted share of drafts")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_demo(
+    pair_dir: Path = EMBEDDED_PAIR,
+    num_prompts: int = 200,
+    max_tokens: int = 128,
+    k: int = 7,
+    dtype: str = "bfloat16",
+    plot: str | None = None,
+    json_out: str | None = None,
+) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("vllm-dspark demo needs a CUDA GPU, and this machine has none.")
+        return 1
+    prompts = load_prompts(pair_dir, num_prompts)
+    baseline = run_arm(pair_dir, prompts, max_tokens, None, dtype)
+    dspark = run_arm(pair_dir, prompts, max_tokens, k, dtype)
+    spec = dspark.spec
+    identical = baseline.token_ids == dspark.token_ids
+    same = sum(a == b for a, b in zip(baseline.token_ids, dspark.token_ids, strict=True))
+    print(f"{len(prompts)} held-out prompts, {max_tokens} tokens each, greedy, {dtype}")
+    print(f"{'arm':<22}{'tok/s':>10}")
+    print(f"{'no speculation':<22}{baseline.tok_s:>10.1f}")
+    print(f"{f'DSpark k={k}':<22}{dspark.tok_s:>10.1f}")
+    print(f"speed-up {dspark.tok_s / baseline.tok_s:.2f}x")
+    print(f"mean acceptance length {spec.acceptance_length:.2f}")
+    print("per-position acceptance " + " ".join(f"{a:.2f}" for a in spec.per_position_acceptance))
+    print(f"greedy outputs identical: {identical} ({same}/{len(prompts)} prompts)")
+    if plot:
+        title = f"DSpark k={k}, embedded pair: acceptance length {spec.acceptance_length:.2f}"
+        plot_acceptance(spec.per_position_acceptance, plot, title)
+    if json_out:
+        record = {
+            "num_prompts": len(prompts),
+            "max_tokens": max_tokens,
+            "k": k,
+            "dtype": dtype,
+            "tok_s_nospec": baseline.tok_s,
+            "tok_s_dspark": dspark.tok_s,
+            "speedup": dspark.tok_s / baseline.tok_s,
+            "acceptance_length": spec.acceptance_length,
+            "per_position_acceptance": spec.per_position_acceptance,
+            "spec_decode_counts": asdict(spec),
+            "greedy_identical": identical,
+            "greedy_identical_prompts": same,
+        }
+        Path(json_out).write_text(json.dumps(record, indent=2))
+    return 0

@@ -1,0 +1,59 @@
+"""vLLM's spec-decode counters, read offline through ``LLM.get_metrics()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREFIX = "vllm:spec_decode_"
+
+
+@dataclass
+class SpecDecodeCounts:
+    """Cumulative spec-decode counters; subtract two snapshots to measure a run."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_metrics(cls, metrics) -> SpecDecodeCounts:
+        counts = cls()
+        for metric in metrics:
+            if metric.name == PREFIX + "num_drafts":
+                counts.drafts += metric.value
+            elif metric.name == PREFIX + "num_draft_tokens":
+                counts.draft_tokens += metric.value
+            elif metric.name == PREFIX + "num_accepted_tokens":
+                counts.accepted_tokens += metric.value
+            elif metric.name == PREFIX + "num_accepted_tokens_per_pos":
+                values = metric.values
+                pad = len(values) - len(counts.accepted_per_position)
+                counts.accepted_per_position += [0] * max(pad, 0)
+                for i, value in enumerate(values):
+                    counts.accepted_per_position[i] += value
+        return counts
+
+    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        per_position = [
+            a - (other.accepted_per_position[i] if i < len(other.accepted_per_position) else 0)
+            for i, a in enumerate(self.accepted_per_position)
+        ]
+        return SpecDecodeCounts(
+            self.drafts - other.drafts,
+            self.draft_tokens - other.draft_tokens,
+            self.accepted_tokens - other.accepted_tokens,
+            per_position,
+        )
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verification step, the bonus token included."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Share of drafts whose position k was accepted (unconditional)."""
+        return [
+            a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_position
+        ]
