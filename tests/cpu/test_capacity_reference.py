@@ -1,0 +1,120 @@
+"""The capacity modes keep speculative decoding lossless (pure-PyTorch reference)."""
+
+import pytest
+import torch
+
+from vllm_dspark.capacity.allocation import (
+    budget_capacity,
+    prefix_survival,
+    sps_capacity,
+    sps_table_from_curve,
+    threshold_capacity,
+)
+from vllm_dspark.capacity.reference import Admission, ToyPair, first_tokens
+
+VOCAB, REQS, DRAFTS = 5, 4, 4
+BATCHES = 5000  # x REQS requests = 20,000 samples per mode
+SPS = sps_table_from_curve([(1, 100.0), (8, 96.0), (12, 70.0), (20, 30.0)], 64)
+
+MODES = {
+    "off": Admission("off"),
+    "threshold": Admission("threshold", threshold=0.3),
+    "budget": Admission("budget", budget_frac=0.4),
+    "sps": Admission("sps", sps_table=SPS),
+}
+
+
+def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=expected_probs.numel()).double()
+    expected = expected_probs.flatten() * samples.numel()
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    dof = expected.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
+
+
+def two_token_samples(admission: Admission, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pair = ToyPair.random(VOCAB, seed=3)
+    start = torch.zeros(BATCHES, REQS, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = first_tokens(pair, start, 2, DRAFTS, admission, gen)
+    # Target joint of the first two tokens: p(y1 | x0) p(y2 | y1).
+    p1 = pair.target_probs(torch.tensor(0))
+    joint = p1[:, None] * pair.target_probs(torch.arange(VOCAB))
+    return tokens[..., 0] * VOCAB + tokens[..., 1], joint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_distribution_matches_target(mode):
+    samples, joint = two_token_samples(MODES[mode], seed=11)
+    assert samples.numel() == 20_000
+    assert chi_square_p_value(samples.flatten(), joint) > 0.01
+
+
+def test_deciding_on_the_current_drafts_confidence_is_caught():
+    # DSpark paper, Appendix A: admission that reads the draft it admits biases output.
+    leaky = Admission("threshold", threshold=0.5, leak_current_draft=True)
+    samples, joint = two_token_samples(leaky, seed=11)
+    assert chi_square_p_value(samples.flatten(), joint) < 1e-6
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_output_equals_target_greedy(mode):
+    pair = ToyPair.random(VOCAB, seed=5)
+    start = torch.arange(VOCAB).repeat(8, 1)[:, :REQS]
+    tokens = first_tokens(pair, start, 12, DRAFTS, MODES[mode], torch.Generator(), greedy=True)
+    expected, prev = [], start
+    for _ in range(12):
+        prev = pair.target_probs(prev).argmax(dim=-1)
+        expected.append(prev)
+    assert torch.equal(tokens, torch.stack(expected, dim=-1))
+
+
+def test_survival_is_a_cumulative_product_with_temperatures():
+    logits = torch.tensor([[2.0, 0.0, -2.0]])
+    temps = torch.tensor([1.0, 2.0, 0.5])
+    expected = torch.cumprod(torch.sigmoid(logits / temps), dim=-1)
+    assert torch.allclose(prefix_survival(logits, temps), expected)
+    assert bool((prefix_survival(logits, temps).diff(dim=-1) <= 0).all())
+
+
+SURVIVAL = torch.tensor([[0.9, 0.8, 0.1, 0.05], [0.95, 0.3, 0.2, 0.1], [0.5, 0.5, 0.5, 0.4]])
+
+
+def test_threshold_counts_the_prefix_above_it():
+    assert threshold_capacity(SURVIVAL, 0.5).tolist() == [2, 1, 3]
+
+
+def test_budget_admits_the_best_slots_as_prefixes():
+    # Best 5: 0.95 (r1), 0.9 (r0), 0.8 (r0), then the ties 0.5, 0.5 of r2 in position order.
+    assert budget_capacity(SURVIVAL, 5).tolist() == [2, 1, 2]
+    assert budget_capacity(SURVIVAL, 12).tolist() == [4, 4, 4]
+    # Batched leading dimensions give the same answer per batch.
+    assert budget_capacity(SURVIVAL.expand(2, 3, 4), 5).tolist() == [[2, 1, 2]] * 2
+
+
+def test_sps_stops_at_the_first_drop_of_expected_throughput():
+    flat_then_cliff = sps_table_from_curve([(1, 100.0), (5, 100.0), (6, 10.0), (64, 10.0)], 64)
+    # R = 3, so up to 2 admitted slots keep T <= 5 at full speed; the third costs 10x.
+    assert sps_capacity(SURVIVAL, flat_then_cliff, budget=12).sum().item() == 2
+    steady = sps_table_from_curve([(1, 100.0), (64, 100.0)], 64)
+    assert sps_capacity(SURVIVAL, steady, budget=12).tolist() == [4, 4, 4]
+    assert sps_capacity(SURVIVAL, steady, budget=3).tolist() == [2, 1, 0]
+
+
+def test_sps_table_interpolates_and_holds_its_ends():
+    table = sps_table_from_curve([(2, 100.0), (4, 50.0)], 6)
+    assert table.tolist() == [100.0, 100.0, 100.0, 75.0, 50.0, 50.0, 50.0]
+
+
+@pytest.mark.parametrize("mode", ["threshold", "budget", "sps"])
+def test_modes_really_vary_the_verified_depth(mode):
+    # Otherwise the distribution tests above would only re-test fixed depth.
+    pair = ToyPair.random(VOCAB, seed=3)
+    prev = torch.randint(0, VOCAB, (BATCHES, REQS), generator=torch.Generator().manual_seed(0))
+    conf = []
+    for _ in range(DRAFTS):
+        conf.append(pair.confidence_logits[prev])
+        prev = torch.multinomial(pair.draft_probs(prev).view(-1, VOCAB), 1).view(prev.shape)
+    survival = prefix_survival(torch.stack(conf, dim=-1), torch.ones(DRAFTS))
+    depths = MODES[mode].capacity(survival).unique()
+    assert len(depths) >= 3 and depths.max() >= 2
