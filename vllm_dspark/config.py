@@ -221,7 +221,7 @@ def _closest(name: str, choices: list[str]) -> str:
 
 def _parse_env_value(option: str, text: str) -> Any:
     """Environment values are strings: read booleans and JSON, keep the rest as text."""
-    if DSparkOptions.model_fields[option].annotation == StrictBool:
+    if DSparkOptions.model_fields[option].annotation is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True

@@ -254,6 +254,12 @@ def test_environment_wins_and_is_reported():
     ]
 
 
+@pytest.mark.parametrize("text,value", [("1", True), ("0", False), ("yes", True), ("OFF", False)])
+def test_environment_booleans(text, value):
+    options, _ = resolve_options({}, {"VLLM_DSPARK_FP8_DRAFT_HEAD": text})
+    assert options.fp8_draft_head is value
+
+
 def test_lists_from_files_and_inline_json(tmp_path):
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps({"curve": [[1, 200.0], [64, 150.0], [256, 60.0]]}))
