@@ -26,38 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHAPES = {
-    # name: hidden, layers, heads, kv heads, head dim, ffn, vocab
-    "tiny": (256, 4, 4, 2, 64, 512, 4096),
-    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936),
-}
-
-
-def write_target_config(shape: str, root: Path) -> str:
-    hidden, layers, heads, kv_heads, head_dim, ffn, vocab = SHAPES[shape]
-    config = dict(
-        architectures=["Qwen3ForCausalLM"],
-        model_type="qwen3",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=ffn,
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        hidden_act="silu",
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    folder = root / f"{shape}-target"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
+from shapes import SHAPES, write_shape
 
 
 def time_decode_graphs(worker, warmup: int, repeats: int, context_len: int) -> list:
@@ -140,7 +109,7 @@ def main() -> int:
     from tqdm import tqdm
     from vllm import LLM
 
-    target = args.target or write_target_config(args.shape, Path(tempfile.mkdtemp()))
+    target = args.target or write_shape(args.shape, Path(tempfile.mkdtemp()))["target"]
     llm = LLM(
         model=target,
         load_format="auto" if args.real_weights else "dummy",

@@ -1,0 +1,56 @@
+"""The benchmark scripts' own logic (their GPU runs are on the H200)."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+
+from serve_sweep import make_prompts, percentile, read_counters  # noqa: E402
+from shapes import write_shape  # noqa: E402
+
+from vllm_dspark.config import resolve_options  # noqa: E402
+
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 105.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 42.0
+"""
+
+
+def test_counters_are_summed_over_engines():
+    assert read_counters(METRICS) == {"drafts": 15.0, "draft_tokens": 105.0, "accepted": 42.0}
+
+
+def test_prompts_are_fixed_and_in_range():
+    assert make_prompts(3, 16, 100) == make_prompts(3, 16, 100)
+    assert all(3 <= t < 100 for p in make_prompts(3, 16, 100) for t in p)
+
+
+def test_percentile():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_arms_files_are_valid_json_with_valid_options(tmp_path):
+    paths = write_shape("qwen3-8b", tmp_path)
+    for arms_file in (Path(__file__).parents[2] / "benchmarks" / "arms").glob("*.json"):
+        text = arms_file.read_text().replace("{target}", paths["target"])
+        for arm in json.loads(text.replace("{draft}", paths["draft"])):
+            assert {"name", "model", "server_args"} <= set(arm)
+            args = arm["server_args"]
+            if "--speculative-config" in args:
+                import shlex
+
+                words = shlex.split(args)
+                spec = json.loads(words[words.index("--speculative-config") + 1])
+                resolve_options(
+                    {k: v for k, v in spec.items() if k.startswith("dspark_")}, arm.get("env", {})
+                )
