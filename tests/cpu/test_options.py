@@ -203,9 +203,9 @@ BAD_INPUTS = [
     (
         "not implemented",
         "dspark",
-        {"dspark_fp8_draft_head": True},
+        {"dspark_capacity": "threshold"},
         {},
-        ["dspark_fp8_draft_head not implemented in this version"],
+        ["dspark_capacity not implemented in this version"],
     ),
     (
         "dash spelling",

@@ -1,50 +1,58 @@
-"""Run in a subprocess on a GPU: greedy generation with vLLM's LLM() and a DSpark draft.
+"""Run in a subprocess on a GPU: greedy generation with vLLM's LLM().
 
-Prints one JSON line: the token ids per prompt, the spec-decode counters, and whether
-vllm-dspark's patches were applied in this process.
+Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
+(dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
+"max_tokens"}. Prints one JSON line: the token ids per prompt, the spec-decode counts,
+the run's tokens per second, and whether vllm-dspark's patches were applied.
 """
 
 import json
 import sys
 import time
+from dataclasses import asdict
 
 
-def main(target: str, draft: str, num_prompts: int, max_tokens: int) -> None:
+def main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_dspark.metrics import SpecDecodeCounts
     from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
 
+    speculative = None
+    if spec["draft"]:
+        speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
+        speculative.update(spec.get("options", {}))
     start = time.perf_counter()
     llm = LLM(
-        model=target,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
+        model=spec["target"],
+        load_format="dummy" if spec.get("dummy") else "auto",
+        skip_tokenizer_init=spec.get("dummy", False),
+        dtype=spec.get("dtype", "bfloat16"),
         max_model_len=1024,
-        max_num_seqs=16,
+        max_num_seqs=64,
         gpu_memory_utilization=0.3,
         seed=0,
         disable_log_stats=False,
-        speculative_config={"method": "dspark", "model": draft, "num_speculative_tokens": 7},
+        speculative_config=speculative,
     )
     load_s = time.perf_counter() - start
-    prompts = [
-        {"prompt_token_ids": [3 + (17 * i + 5 * j) % 4000 for j in range(32)]}
-        for i in range(num_prompts)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+    start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    counters = {
-        metric.name: metric.value
-        for metric in llm.get_metrics()
-        if metric.name.startswith("vllm:spec_decode") and hasattr(metric, "value")
-    }
+    seconds = time.perf_counter() - start
+    counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
     print(
         json.dumps(
             {
-                "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
-                "spec_decode": counters,
+                "token_ids": token_ids,
+                "spec_decode": asdict(counts),
+                "acceptance_length": counts.acceptance_length if counts.drafts else None,
+                "tok_s": sum(map(len, token_ids)) / seconds,
                 "patched": hasattr(EngineArgs.create_speculative_config, ORIGINAL_ATTR),
                 "load_s": round(load_s, 1),
             }
@@ -53,4 +61,4 @@ def main(target: str, draft: str, num_prompts: int, max_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(json.loads(sys.argv[1]))

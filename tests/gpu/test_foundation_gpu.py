@@ -6,66 +6,41 @@ Set DSPARK_RESULTS_DIR to also write ``foundation_gpu.json`` there.
 import datetime
 import json
 import os
-import subprocess
-import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 import torch
+from probe import run_probe, without_dspark_plugin
 
-PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_PROMPTS, MAX_TOKENS = 8, 64
-
-
-def run_probe(model_dirs, plugins: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DSPARK_")}
-    env.pop("VLLM_PLUGINS", None)
-    if plugins is not None:
-        env["VLLM_PLUGINS"] = plugins
-    command = [
-        sys.executable,
-        str(PROBE),
-        model_dirs["target"],
-        model_dirs["dspark"],
-        str(NUM_PROMPTS),
-        str(MAX_TOKENS),
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.gpu
 def test_dspark_output_is_stock_with_plugin_loaded(model_dirs):
-    others = [
-        ep.name for ep in entry_points(group="vllm.general_plugins") if ep.name != "vllm_dspark"
-    ]
-    stock = run_probe(model_dirs, plugins=",".join(others) or "none")
-    with_plugin = run_probe(model_dirs, plugins=None)
+    spec = {
+        "target": model_dirs["target"],
+        "draft": model_dirs["dspark"],
+        "dummy": True,
+        "prompts": [[3 + (17 * i + 5 * j) % 4000 for j in range(32)] for i in range(NUM_PROMPTS)],
+        "max_tokens": MAX_TOKENS,
+    }
+    stock = run_probe(spec, plugins=without_dspark_plugin())
+    with_plugin = run_probe(spec)
     identical = stock["token_ids"] == with_plugin["token_ids"]
     results_dir = os.environ.get("DSPARK_RESULTS_DIR")
     if results_dir:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).parent,
-            ).stdout.strip()
-            or "unknown"
-        )
         record = {
             "command": "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_foundation_gpu.py",
-            "commit": commit,
+            # The GPU machine gets a copy of the tree without .git: the caller names it.
+            "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(0),
             "setup": {
                 "target": "tiny Qwen3 (4 layers, hidden 256, vocab 4096), dummy weights",
-                "draft": "Qwen3DSparkModel, 1 layer, k=7",
+                "draft": "Qwen3DSparkModel, 1 layer, k=7, standard rejection sampling",
                 "prompts": NUM_PROMPTS,
                 "max_tokens": MAX_TOKENS,
-                "sampling": "greedy",
+                "sampling": "greedy, bf16",
             },
             "result": {
                 "greedy_token_ids_identical": identical,
@@ -81,4 +56,5 @@ def test_dspark_output_is_stock_with_plugin_loaded(model_dirs):
         Path(results_dir, "foundation_gpu.json").write_text(json.dumps(record, indent=2))
     assert not stock["patched"] and with_plugin["patched"]
     assert all(len(ids) == MAX_TOKENS for ids in stock["token_ids"])
+    assert stock["spec_decode"]["drafts"] > 0
     assert identical

@@ -5,9 +5,9 @@ when it can go. Each exposes ``apply()``, which is idempotent; a patch changes
 nothing while no vllm-dspark option is set.
 """
 
-from vllm_dspark.patches import speculative_options
+from vllm_dspark.patches import speculative_options, speculator_selection
 
-PATCHES = (speculative_options,)
+PATCHES = (speculative_options, speculator_selection)
 
 
 def apply_all() -> None:

@@ -1,0 +1,37 @@
+"""Which speculator vLLM builds, with and without vllm-dspark options."""
+
+import pytest
+import torch
+
+from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
+
+
+def build_speculator(engine_config, model_dirs, draft, **options):
+    from vllm.config import set_current_vllm_config
+
+    config = engine_config(
+        {"method": draft, "model": model_dirs[draft], "num_speculative_tokens": 7, **options}
+    )
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    # The runner calls the name it imported; it must be our wrapper.
+    assert hasattr(model_runner.init_speculator, ORIGINAL_ATTR)
+    with set_current_vllm_config(config):
+        return model_runner.init_speculator(config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "draft,expected",
+    [("dspark", "DSparkPluginSpeculator"), ("dflash", "DFlashPluginSpeculator")],
+)
+def test_an_option_selects_the_plugin_speculator(engine_config, model_dirs, draft, expected):
+    speculator = build_speculator(engine_config, model_dirs, draft, dspark_fp8_draft_head=True)
+    assert type(speculator).__name__ == expected
+    assert type(speculator).__module__ == "vllm_dspark.speculator"
+    assert speculator.options.fp8_draft_head
+
+
+@pytest.mark.parametrize("draft", ["dspark", "dflash"])
+def test_no_option_keeps_the_stock_speculator(engine_config, model_dirs, draft):
+    speculator = build_speculator(engine_config, model_dirs, draft)
+    assert type(speculator).__module__.startswith("vllm.v1.worker.gpu.spec_decode.")

@@ -1,0 +1,103 @@
+"""vllm-dspark's speculators: stock DSpark and DFlash with the plugin's options applied.
+
+They are chosen by :mod:`vllm_dspark.patches.speculator_selection` only when an option
+is set. Drafting goes through :class:`~vllm_dspark.head.draft_heads.DraftHeads`,
+which is the stock bf16 path unless an FP8 head option is on.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+from vllm_dspark.config import DSparkOptions
+from vllm_dspark.head.draft_heads import DraftHeads
+
+
+class DSparkPluginSpeculator(DSparkSpeculator):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
+        super().__init__(vllm_config, device)
+        self.options = options
+
+    def load_draft_model(self, target_model, target_attn_layer_names):
+        model = super().load_draft_model(target_model, target_attn_layer_names)
+        # After loading, so the LM head is the target's, shared (DSpark aliases it).
+        self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
+        return model
+
+    def _sample_sequential(self, num_reqs: int, head_hidden: torch.Tensor) -> None:
+        """The sequential Markov stage, drafting through ``self.heads``.
+
+        The same sampling as stock DSpark: base logits of every (request, position)
+        from one LM-head pass, then left to right a Markov bias from the previous
+        token, and a greedy or Gumbel sample per position. Runs inside the captured
+        draft graph.
+        """
+        num_drafts = self.num_speculative_steps
+        num_rows = num_reqs * num_drafts
+        base = self.heads.dspark_logits(head_hidden[self.sample_indices[:num_rows]])
+        base = base.view(num_reqs, num_drafts, base.shape[-1])
+        slots = self.sample_idx_mapping[:num_rows].view(num_reqs, num_drafts)
+        positions = self.sample_pos[:num_rows].view(num_reqs, num_drafts)
+        # Position 1's previous token is the anchor: the input id at query offset 0.
+        previous = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]]
+        for step in range(num_drafts):
+            logits = base[:, step] + self.heads.markov_bias(self.model.markov_embed(previous))
+            if self.draft_logits is None:
+                tokens = self.model.map_draft_to_target(logits.argmax(dim=-1))
+            else:
+                if self._d2t_scatter_index is not None:
+                    # Sample in target vocabulary: scatter the reduced draft vocabulary.
+                    scattered = self._draft_scatter_buf[:num_reqs]
+                    scattered.index_copy_(1, self._d2t_scatter_index, logits.to(scattered.dtype))
+                    logits = scattered
+                # The target verifies position Q with the Gumbel key of Q - 1.
+                tokens = gumbel_sample(
+                    logits,
+                    slots[:, step],
+                    self.temperature,
+                    self.seeds,
+                    positions[:, step] - 1,
+                    apply_temperature=True,
+                    output_processed_logits=self.draft_logits,
+                    output_processed_logits_col=self._step_cols[step],
+                    use_fp64=self.use_fp64_gumbel,
+                )
+            self.draft_tokens[:num_reqs, step] = tokens
+            previous = tokens
+
+
+class DFlashPluginSpeculator(DFlashSpeculator):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
+        super().__init__(vllm_config, device)
+        self.options = options
+
+    def load_draft_model(self, target_model, target_attn_layer_names):
+        model = super().load_draft_model(target_model, target_attn_layer_names)
+        self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
+        return model
+
+    def sample_draft(
+        self, hidden_states, positions, idx_mapping, temperature, seeds, draft_step, draft_logits
+    ) -> torch.Tensor:
+        if self.heads.lm_head is None:
+            return super().sample_draft(
+                hidden_states, positions, idx_mapping, temperature, seeds, draft_step, draft_logits
+            )
+        if draft_logits is None:
+            return self.heads.greedy_tokens(hidden_states)
+        # As stock: the draft's Gumbel key is offset by one to match the target's.
+        return gumbel_sample(
+            self.heads.logits(hidden_states),
+            idx_mapping,
+            temperature,
+            seeds,
+            positions + 1,
+            apply_temperature=True,
+            output_processed_logits=draft_logits,
+            output_processed_logits_col=draft_step,
+            use_fp64=self.use_fp64_gumbel,
+        )
