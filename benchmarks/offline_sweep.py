@@ -1,0 +1,165 @@
+"""Offline throughput of several arms at several concurrencies, one engine per arm.
+
+    python benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dspark,dspark-fp8 \
+        --concurrency 1,16 --out benchmarks/results/fp8_e2e.json
+
+Each arm runs in a fresh process (`LLM()`, greedy, EOS ignored). For each concurrency
+c it submits c prompts of --prompt-len tokens at once, --output-len tokens each, after
+a warm-up, and reports output tokens per second and the spec-decode counters of the
+run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance
+(``--rates``: per-position unconditional acceptance); ``--pair embedded`` the trained
+pair with real verification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from shapes import SHAPES, write_shape
+
+# The acceptance profile measured alongside the stock baseline in shared/device/README.md.
+DEFAULT_RATES = "0.8,0.62,0.48,0.37,0.28,0.21,0.16"
+
+ARMS = {
+    "nospec": None,
+    "dspark": {},
+    "dspark-fp8": {"dspark_fp8_draft_head": True},
+    "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
+}
+
+
+def run_arm_here(spec: dict) -> None:
+    """In the arm's own process: one engine, every concurrency, one JSON line each."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_dspark.metrics import SpecDecodeCounts
+
+    speculative = None
+    if spec["options"] is not None:
+        speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
+        if spec["dummy"]:
+            rates = [float(r) for r in spec["rates"].split(",")][:7]
+            speculative |= {
+                "rejection_sample_method": "synthetic",
+                "synthetic_acceptance_rates": rates,
+            }
+        speculative |= spec["options"]
+    llm = LLM(
+        model=spec["target"],
+        load_format="dummy" if spec["dummy"] else "auto",
+        skip_tokenizer_init=spec["dummy"],
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.85,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=speculative,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
+
+    def prompts(count: int, offset: int):
+        return [
+            {
+                "prompt_token_ids": [
+                    3 + (13 * i + j + offset) % 4000 for j in range(spec["prompt_len"])
+                ]
+            }
+            for i in range(count)
+        ]
+
+    llm.generate(prompts(8, 0), params, use_tqdm=False)
+    for concurrency in spec["concurrency"]:
+        before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+        start = time.perf_counter()
+        outputs = llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+        tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+        print(
+            "ROW "
+            + json.dumps(
+                {
+                    "concurrency": concurrency,
+                    "tok_s": round(tokens / seconds, 1),
+                    "acceptance_length": counts.acceptance_length if counts.drafts else None,
+                    "admitted_per_req": counts.draft_tokens / counts.drafts
+                    if counts.drafts
+                    else None,
+                    "spec_decode": asdict(counts),
+                }
+            ),
+            flush=True,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", default="embedded", choices=["embedded", *SHAPES])
+    parser.add_argument("--arms", default="nospec,dspark")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rates", default=DEFAULT_RATES)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
+    args = parser.parse_args()
+    if args.arm_spec:
+        run_arm_here(json.loads(args.arm_spec))
+        return 0
+
+    if args.pair == "embedded":
+        from vllm_dspark.demo import EMBEDDED_PAIR
+
+        paths = {name: str(EMBEDDED_PAIR / name) for name in ("target", "draft")}
+    else:
+        paths = write_shape(args.pair, Path(tempfile.mkdtemp()))
+    rows = []
+    for arm in args.arms.split(","):
+        spec = {
+            **paths,
+            "dummy": args.pair != "embedded",
+            "options": ARMS[arm],
+            "rates": args.rates,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "concurrency": [int(c) for c in args.concurrency.split(",")],
+        }
+        done = subprocess.run(
+            [sys.executable, __file__, "--out", str(args.out), "--arm-spec", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        for line in done.stdout.splitlines():
+            if line.startswith("ROW "):
+                rows.append({"setup": args.pair, "arm": arm, **json.loads(line[4:])})
+                print(json.dumps(rows[-1]), flush=True)
+    import torch
+
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
