@@ -117,6 +117,10 @@ class DSparkOptions(BaseModel):
     """Verify only the admitted drafts, packed without padding (compact variable-length
     verification)."""
 
+    confidence_metrics: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Measure the confidence head's calibration (per-position ECE and AUROC) while
+    serving, without changing what is verified."""
+
     fp8_draft_head: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Draft with a private rowwise-FP8 copy of the LM head; verification keeps bf16."""
 
@@ -178,6 +182,11 @@ class DSparkOptions(BaseModel):
                     f"{KEY_PREFIX}capacity is {self.capacity!r}"
                 )
         return self
+
+    @property
+    def needs_confidence(self) -> bool:
+        """Whether drafting must run the checkpoint's confidence head."""
+        return self.capacity in CONFIDENCE_MODES or self.confidence_metrics or self.online_sts
 
     @property
     def active(self) -> bool:
@@ -319,7 +328,7 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
     # Every capacity mode so far ranks drafts by confidence, which DFlash lacks.
     dspark_only = [
         name
-        for name in ("capacity", "online_sts", "fp8_markov_head")
+        for name in ("capacity", "confidence_metrics", "online_sts", "fp8_markov_head")
         if name in options.non_default()
     ]
     if method != "dspark" and dspark_only:
@@ -329,9 +338,10 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             f"'dspark' (a drafter with a confidence/Markov head); got method={method!r}. "
             f"Valid with {method}: {KEY_PREFIX}capacity=off."
         )
-    if options.capacity in CONFIDENCE_MODES and not _draft_has_confidence_head(speculative_config):
+    if options.needs_confidence and not _draft_has_confidence_head(speculative_config):
+        name = next(n for n in ("capacity", "confidence_metrics", "online_sts") if n in dspark_only)
         raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}capacity={options.capacity!r} needs a draft "
+            f"vllm-dspark: {KEY_PREFIX}{name}={getattr(options, name)!r} needs a draft "
             "checkpoint with a confidence head (enable_confidence_head: true in its "
             f"config.json); {speculative_config.model} has none. Valid without one: "
             f"{KEY_PREFIX}capacity=off."
@@ -339,7 +349,11 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
 
 
 # Options declared for the issues still to come; each leaves this set when it ships.
-NOT_IMPLEMENTED = frozenset(OPTION_NAMES) - {"fp8_draft_head", "fp8_markov_head"}
+NOT_IMPLEMENTED = frozenset(OPTION_NAMES) - {
+    "fp8_draft_head",
+    "fp8_markov_head",
+    "confidence_metrics",
+}
 
 
 def check_implemented(options: DSparkOptions) -> None:

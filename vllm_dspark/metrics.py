@@ -57,3 +57,22 @@ class SpecDecodeCounts:
         return [
             a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_position
         ]
+
+
+def _worker_calibration(worker) -> dict:
+    from dataclasses import asdict
+
+    stats = getattr(worker.model_runner.speculator, "calibration", None)
+    if stats is None:
+        raise RuntimeError("dspark_confidence_metrics is off for this engine")
+    return {name: asdict(value) for name, value in stats.summary().items()}
+
+
+def confidence_calibration(llm) -> dict:
+    """Per-position ECE and AUROC of the confidence head, as served so far.
+
+    Needs ``dspark_confidence_metrics`` and, since it calls into the worker,
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` set before the engine starts. Tensor-parallel
+    ranks hold identical counts; the first rank's are returned.
+    """
+    return llm.collective_rpc(_worker_calibration)[0]

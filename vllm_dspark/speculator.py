@@ -13,6 +13,9 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
+from vllm_dspark.capacity.allocation import prefix_survival
+from vllm_dspark.capacity.calibration_stats import CalibrationStats
+from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
 from vllm_dspark.config import DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
 
@@ -21,12 +24,69 @@ class DSparkPluginSpeculator(DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
+        self.confidence: ConfidenceHead | None = None
+        self.calibration: CalibrationStats | None = None
+        shape = (self.max_num_reqs, self.num_speculative_steps)
+        # Per batch row of the last proposal: confidence logits and prefix survival.
+        self.confidence_logits = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.survival = torch.ones(shape, dtype=torch.float32, device=device)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
         # After loading, so the LM head is the target's, shared (DSpark aliases it).
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
+        if self.options.needs_confidence:
+            checkpoint = self.draft_model_config.model
+            rank = model.model.markov_head.markov_w1.weight.shape[1]
+            self.confidence = ConfidenceHead.from_checkpoint(
+                checkpoint, self.hidden_size + rank, self.device
+            )
+            self.temperatures = resolve_temperatures(
+                self.options.confidence_temperature,
+                checkpoint,
+                self.num_speculative_steps,
+                self.device,
+            )
+        if self.options.confidence_metrics:
+            self.calibration = CalibrationStats(
+                self.max_num_reqs, self.num_speculative_steps, self.device
+            )
         return model
+
+    def propose(
+        self,
+        input_batch,
+        attn_metadata,
+        slot_mappings,
+        last_hidden_states,
+        aux_hidden_states,
+        num_sampled,
+        num_rejected,
+        *args,
+        dummy_run=False,
+        **kwargs,
+    ):
+        if self.calibration is not None and not dummy_run:
+            # The drafts just verified are the ones this slot proposed last step.
+            num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
+            num_accepted = (num_sampled - 1).clamp_(min=0)
+            self.calibration.observe(input_batch.idx_mapping, num_verified, num_accepted)
+        drafts = super().propose(
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            *args,
+            dummy_run=dummy_run,
+            **kwargs,
+        )
+        if self.calibration is not None and not dummy_run:
+            num_reqs = input_batch.num_reqs
+            self.calibration.record_proposals(input_batch.idx_mapping, self.survival[:num_reqs])
+        return drafts
 
     def _sample_sequential(self, num_reqs: int, head_hidden: torch.Tensor) -> None:
         """The sequential Markov stage, drafting through ``self.heads``.
@@ -38,14 +98,22 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         """
         num_drafts = self.num_speculative_steps
         num_rows = num_reqs * num_drafts
-        base = self.heads.dspark_logits(head_hidden[self.sample_indices[:num_rows]])
+        hidden = head_hidden[self.sample_indices[:num_rows]]
+        base = self.heads.dspark_logits(hidden)
         base = base.view(num_reqs, num_drafts, base.shape[-1])
+        hidden = hidden.view(num_reqs, num_drafts, hidden.shape[-1])
         slots = self.sample_idx_mapping[:num_rows].view(num_reqs, num_drafts)
         positions = self.sample_pos[:num_rows].view(num_reqs, num_drafts)
         # Position 1's previous token is the anchor: the input id at query offset 0.
         previous = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]]
         for step in range(num_drafts):
-            logits = base[:, step] + self.heads.markov_bias(self.model.markov_embed(previous))
+            markov_embed = self.model.markov_embed(previous)
+            if self.confidence is not None:
+                # c_k reads h_k and the previous token, never draft k itself.
+                self.confidence_logits[:num_reqs, step] = self.confidence(
+                    hidden[:, step], markov_embed
+                )
+            logits = base[:, step] + self.heads.markov_bias(markov_embed)
             if self.draft_logits is None:
                 tokens = self.model.map_draft_to_target(logits.argmax(dim=-1))
             else:
@@ -68,6 +136,10 @@ class DSparkPluginSpeculator(DSparkSpeculator):
                 )
             self.draft_tokens[:num_reqs, step] = tokens
             previous = tokens
+        if self.confidence is not None:
+            self.survival[:num_reqs] = prefix_survival(
+                self.confidence_logits[:num_reqs], self.temperatures
+            )
 
 
 class DFlashPluginSpeculator(DFlashSpeculator):

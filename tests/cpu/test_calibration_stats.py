@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from vllm_dspark.capacity.calibration_stats import CalibrationStats, _binned_auroc
+
+K = 3
+
+
+def simulate(stats, survival, gen, calibrated=True):
+    """Verify all K drafts: draft k is accepted with probability c_k (or c_k^3)."""
+    conditional = survival / torch.cat([torch.ones(len(survival), 1), survival[:, :-1]], 1)
+    truth = conditional if calibrated else conditional**3
+    accepted_each = torch.rand(truth.shape, generator=gen) < truth
+    num_accepted = torch.cumprod(accepted_each.long(), dim=1).sum(dim=1)
+    slots = torch.arange(len(survival))
+    stats.record_proposals(slots, survival)
+    stats.observe(slots, torch.full((len(survival),), K), num_accepted)
+
+
+def random_survival(n, gen):
+    return torch.cumprod(torch.rand(n, K, generator=gen) * 0.6 + 0.4, dim=1)
+
+
+def test_calibrated_predictions_have_small_ece_and_informative_auroc():
+    gen = torch.Generator().manual_seed(0)
+    stats = CalibrationStats(20_000, K, torch.device("cpu"))
+    simulate(stats, random_survival(20_000, gen), gen)
+    summary = stats.summary()
+    for kind in ("conditional", "prefix"):
+        assert max(summary[kind].ece) < 0.03, kind
+        assert min(summary[kind].auroc) > 0.55, kind
+    assert summary["prefix"].trials == [20_000] * K
+    # Conditional trials shrink with the accepted prefix.
+    assert summary["conditional"].trials[0] == 20_000 > summary["conditional"].trials[2]
+
+
+def test_miscalibration_shows_in_ece():
+    gen = torch.Generator().manual_seed(1)
+    stats = CalibrationStats(20_000, K, torch.device("cpu"))
+    simulate(stats, random_survival(20_000, gen), gen, calibrated=False)
+    assert min(stats.summary()["conditional"].ece) > 0.1
+
+
+def test_unverified_positions_are_censored_not_counted_as_rejections():
+    stats = CalibrationStats(4, K, torch.device("cpu"))
+    slots = torch.tensor([0, 1])
+    stats.record_proposals(slots, torch.tensor([[0.9, 0.8, 0.7], [0.9, 0.8, 0.7]]))
+    # Request 0: one draft verified and accepted; request 1: two verified, first rejected.
+    stats.observe(slots, torch.tensor([1, 2]), torch.tensor([1, 0]))
+    summary = stats.summary()
+    assert summary["conditional"].trials == [2, 0, 0]
+    assert summary["conditional"].mean_observed[0] == 0.5
+    assert summary["prefix"].trials == [0, 0, 0]  # nobody had all K verified
+
+
+def test_counts_do_not_depend_on_batch_order():
+    gen = torch.Generator().manual_seed(2)
+    survival = random_survival(500, gen)
+    accepted = torch.randint(0, K + 1, (500,), generator=gen)
+    a, b = (
+        CalibrationStats(500, K, torch.device("cpu")),
+        CalibrationStats(500, K, torch.device("cpu")),
+    )
+    order = torch.randperm(500, generator=gen)
+    for stats, idx in ((a, torch.arange(500)), (b, order)):
+        stats.record_proposals(idx, survival[idx])
+        stats.observe(idx, torch.full((500,), K), accepted[idx])
+    for name in ("trials", "hits", "predicted"):
+        assert torch.equal(getattr(a.conditional, name), getattr(b.conditional, name))
+
+
+@pytest.mark.parametrize(
+    "pos,neg,expected", [([0, 0, 5], [5, 0, 0], 1.0), ([5, 0, 0], [0, 0, 5], 0.0), ([2], [2], 0.5)]
+)
+def test_binned_auroc(pos, neg, expected):
+    assert _binned_auroc(torch.tensor(pos).double(), torch.tensor(neg).double()) == expected

@@ -1,0 +1,125 @@
+"""How well the confidence head predicts acceptance, measured while serving.
+
+At proposal time each request's prefix survivals s(r, k) are kept per request slot.
+When the target has verified those drafts, the rejection sampler's result (how many
+drafts were verified, how many accepted) is binned against them, per position, on the
+GPU: no host synchronisation, integer counts only, so the reduction is exactly the same
+on every tensor-parallel rank.
+
+Two statistics, both free of censoring bias:
+
+- conditional: for position k, requests whose drafts 1..k-1 were accepted and whose
+  draft k was verified: predicted c(r, k) = s(r, k) / s(r, k-1) against "draft k
+  accepted". Capacity control may stop verification early, but it decides from the
+  prediction alone, so the outcome given the prediction is still unbiased.
+- prefix: requests whose K drafts were all verified: predicted s(r, k) against
+  "drafts 1..k all accepted" (the quantity capacity control ranks by).
+
+:meth:`CalibrationStats.summary` turns the counts into per-position ECE and AUROC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Predictions are summed in fixed point, so that sums are exact and order-independent.
+FIXED_POINT = 1 << 20
+
+
+@dataclass
+class PositionCalibration:
+    trials: list[int]
+    ece: list[float]
+    auroc: list[float]
+    mean_predicted: list[float]
+    mean_observed: list[float]
+
+
+class _Histogram:
+    def __init__(self, num_drafts: int, num_bins: int, device: torch.device):
+        self.num_bins = num_bins
+        self.trials = torch.zeros(num_drafts * num_bins, dtype=torch.int64, device=device)
+        self.hits = torch.zeros_like(self.trials)
+        self.predicted = torch.zeros_like(self.trials)
+
+    def add(self, predicted: torch.Tensor, hit: torch.Tensor, counted: torch.Tensor) -> None:
+        """predicted, hit, counted: [R, K]; only ``counted`` entries are added."""
+        num_drafts = predicted.shape[-1]
+        bins = (predicted * self.num_bins).long().clamp_(0, self.num_bins - 1)
+        cells = (torch.arange(num_drafts, device=bins.device) * self.num_bins + bins).flatten()
+        counted = counted.long().flatten()
+        self.trials.index_add_(0, cells, counted)
+        self.hits.index_add_(0, cells, counted * hit.long().flatten())
+        fixed = (predicted.double() * FIXED_POINT).round().long().flatten()
+        self.predicted.index_add_(0, cells, counted * fixed)
+
+    def summary(self, num_drafts: int) -> PositionCalibration:
+        trials = self.trials.view(num_drafts, self.num_bins).cpu().double()
+        hits = self.hits.view(num_drafts, self.num_bins).cpu().double()
+        predicted = self.predicted.view(num_drafts, self.num_bins).cpu().double() / FIXED_POINT
+        result = PositionCalibration([], [], [], [], [])
+        for k in range(num_drafts):
+            n = trials[k].sum().item()
+            result.trials.append(int(n))
+            if n == 0:
+                for values in (
+                    result.ece,
+                    result.auroc,
+                    result.mean_predicted,
+                    result.mean_observed,
+                ):
+                    values.append(float("nan"))
+                continue
+            # ECE: trial-weighted gap between mean prediction and hit rate per bin.
+            gap = (predicted[k] - hits[k]).abs().sum().item()
+            result.ece.append(gap / n)
+            result.auroc.append(_binned_auroc(hits[k], trials[k] - hits[k]))
+            result.mean_predicted.append(predicted[k].sum().item() / n)
+            result.mean_observed.append(hits[k].sum().item() / n)
+        return result
+
+
+def _binned_auroc(positives: torch.Tensor, negatives: torch.Tensor) -> float:
+    """P(score of a positive > score of a negative), ties within a bin counted half."""
+    total_pos, total_neg = positives.sum().item(), negatives.sum().item()
+    if total_pos == 0 or total_neg == 0:
+        return float("nan")
+    below = torch.cumsum(negatives, 0) - negatives  # negatives in lower bins
+    wins = (positives * below).sum() + 0.5 * (positives * negatives).sum()
+    return (wins / (total_pos * total_neg)).item()
+
+
+class CalibrationStats:
+    def __init__(self, max_slots: int, num_drafts: int, device: torch.device, num_bins: int = 50):
+        self.num_drafts = num_drafts
+        # Survivals of the drafts each request slot is waiting to have verified.
+        self.pending = torch.zeros(max_slots, num_drafts, dtype=torch.float32, device=device)
+        self.conditional = _Histogram(num_drafts, num_bins, device)
+        self.prefix = _Histogram(num_drafts, num_bins, device)
+
+    def record_proposals(self, slots: torch.Tensor, survival: torch.Tensor) -> None:
+        """slots [R] (request-state indices), survival [R, K] of the drafts just made."""
+        self.pending[slots] = survival
+
+    def observe(
+        self, slots: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
+        """After verification: per request, drafts verified and drafts accepted. [R] each."""
+        survival = self.pending[slots]
+        position = torch.arange(self.num_drafts, device=survival.device)  # k - 1
+        verified = position < num_verified[:, None]
+        accepted = position < num_accepted[:, None]
+        prefix_accepted = position <= num_accepted[:, None]  # drafts 1..k-1 accepted
+        previous = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], dim=1)
+        conditional = survival / previous.clamp_min(1e-30)
+        self.conditional.add(conditional, accepted, verified & prefix_accepted)
+        fully_verified = (num_verified == self.num_drafts)[:, None].expand_as(verified)
+        self.prefix.add(survival, accepted, fully_verified)
+
+    def summary(self) -> dict[str, PositionCalibration]:
+        return {
+            "conditional": self.conditional.summary(self.num_drafts),
+            "prefix": self.prefix.summary(self.num_drafts),
+        }
