@@ -1,0 +1,82 @@
+"""On a GPU: our PyTorch drafter proposes what vLLM's DSpark speculator proposes with the
+exported weights, and the plugin's confidence head computes the reference's logits."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_dspark.demo import EMBEDDED_PAIR
+
+PROBE = Path(__file__).with_name("draft_probe.py")
+NUM_PROMPTS = 24
+# bf16 in vLLM against fp32 here: a draft may differ only where the reference's top two
+# logits are this close.
+NEAR_TIE = 0.05
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
+]
+
+
+def vllm_proposals(prompts, options=None):
+    spec = {
+        "target": str(EMBEDDED_PAIR / "target"),
+        "draft": str(EMBEDDED_PAIR / "draft"),
+        "options": options or {},
+        "prompts": prompts,
+    }
+    done = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from vllm_dspark.tiny_pair.reference import load_reference_pair
+
+    target, drafter, temperatures = load_reference_pair(EMBEDDED_PAIR, "cuda", torch.float32)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    held_out = json.loads((EMBEDDED_PAIR / "heldout_prompts.json").read_text())
+    return held_out[:NUM_PROMPTS]
+
+
+def test_reference_drafts_equal_vllm_drafts(reference, prompts):
+    from vllm_dspark.tiny_pair.reference import propose_draft_tokens
+
+    target, drafter = reference
+    stock = vllm_proposals(prompts)
+    plugin = vllm_proposals(prompts, {"dspark_confidence_metrics": True})
+    mismatches, total = 0, 0
+    for prompt, row, ours in zip(prompts, stock, plugin, strict=True):
+        # The plugin's sampling loop is stock's.
+        assert ours["first_token"] == row["first_token"]
+        assert ours["drafts"] == row["drafts"]
+        expected = propose_draft_tokens(target, drafter, prompt + [row["first_token"]])
+        agree = 0
+        while agree < len(expected.tokens) and row["drafts"][agree] == expected.tokens[agree]:
+            agree += 1
+        total += len(expected.tokens)
+        if agree < len(expected.tokens):
+            # Only a near tie may flip, and the rest of the block then follows it.
+            assert expected.margins[agree] < NEAR_TIE, (agree, expected.margins[agree])
+            mismatches += 1
+        # c_k reads draft k-1: it must match wherever the drafts before it matched.
+        for k in range(min(agree + 1, len(expected.tokens))):
+            got, want = ours["confidence_logits"][k], expected.confidence_logits[k]
+            assert abs(got - want) < 0.05 + 0.02 * abs(want), (k, got, want)
+    assert mismatches <= total * 0.02

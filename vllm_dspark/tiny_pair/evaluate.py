@@ -1,0 +1,144 @@
+"""Greedy speculative decoding with the tiny pair, simulated in PyTorch.
+
+Greedy verification is lossless, so the committed text is the target's own greedy
+continuation whatever the drafts are. The simulation therefore generates that
+continuation once, runs one target forward over it (the drafter's context at every
+position) and one drafter pass over every anchor, then walks the verify steps: from anchor
+``p`` the drafts ``d_1..d_K`` are checked against the continuation, ``a`` leading matches
+are accepted and the next anchor is ``p + a + 1`` (the target's bonus token). Each verify
+step records the confidence logits and the per-position matches, which feed STS fitting
+and the AUROC / ECE report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .drafter import DSparkDrafter, SharedTargetWeights
+from .progress import progress_bar
+from .target import generate_continuations, target_features
+
+
+@dataclass
+class EvalConfig:
+    prompt_len: int = 64
+    new_tokens: int = 256
+    num_calibration_prompts: int = 512
+    num_test_prompts: int = 512
+    generation_batch: int = 256
+    draft_batch: int = 16  # sequences per drafter pass (all their anchors at once)
+    # Refit the linear confidence head on the calibration split's verify steps before STS.
+    refit_confidence_head: bool = True
+
+
+@dataclass
+class VerifyRecords:
+    """One row per simulated verify step."""
+
+    confidence_logits: np.ndarray  # [steps, K] float
+    accepted: np.ndarray  # [steps, K] bool, draft k equals the target's token
+    acceptance_lengths: np.ndarray  # [steps] 1 + accepted drafts
+    # [steps, K, hidden + markov_rank] float32: the confidence head's inputs, if kept
+    confidence_inputs: np.ndarray | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.acceptance_lengths.size)
+
+
+def sample_prompts(
+    tokens: np.ndarray, count: int, length: int, rng: np.random.Generator
+) -> np.ndarray:
+    """``count`` random windows of ``length`` tokens from a flat token array."""
+    starts = rng.integers(0, tokens.size - length, size=count)
+    return np.stack([tokens[s : s + length] for s in starts]).astype(np.int64)
+
+
+def greedy_sequences(
+    target, prompts: np.ndarray, new_tokens: int, batch: int, device: torch.device
+) -> torch.Tensor:
+    """The target's greedy continuations of ``prompts`` (prompt tokens included)."""
+    outputs = []
+    for start in progress_bar(iterable=range(0, len(prompts), batch), desc="greedy continuations"):
+        chunk = torch.as_tensor(prompts[start : start + batch], device=device)
+        outputs.append(generate_continuations(target, chunk, new_tokens, greedy=True).cpu())
+    return torch.cat(outputs)
+
+
+def accepted_prefix_length(matches: np.ndarray) -> int:
+    """Number of leading True values."""
+    return int(np.argmin(matches)) if not matches.all() else int(matches.size)
+
+
+@torch.no_grad()
+def simulate_verify_steps(
+    target,
+    drafter: DSparkDrafter,
+    sequences: torch.Tensor,
+    prompt_len: int,
+    draft_batch: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+    keep_confidence_inputs: bool = False,
+) -> VerifyRecords:
+    """Walk greedy speculative decoding over each sequence's continuation."""
+    block_size = drafter.config.block_size
+    layer_ids = drafter.config.target_layer_ids
+    shared = SharedTargetWeights(target.model.embed_tokens.weight, target.lm_head.weight)
+    seq_len = sequences.shape[1]
+    # Anchor p is judged on the tokens at p+1..p+K, which must exist.
+    anchors = torch.arange(prompt_len, seq_len - block_size, device=device)
+    offsets = torch.arange(1, block_size + 1, device=device)
+    logits_rows, matches_rows, lengths, input_rows = [], [], [], []
+    for start in progress_bar(iterable=range(0, len(sequences), draft_batch), desc="drafting"):
+        seqs = sequences[start : start + draft_batch].to(device)
+        batch_anchors = anchors.expand(len(seqs), -1)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            features = target_features(target, seqs, layer_ids)
+            proposal = drafter.propose(
+                features.aux_hidden,
+                batch_anchors,
+                seqs[:, anchors],
+                shared,
+                keep_confidence_inputs=keep_confidence_inputs,
+            )
+        truth = seqs[:, anchors[:, None] + offsets]  # [b, A, K]
+        matches = (proposal.tokens == truth).cpu().numpy()
+        confidence = proposal.confidence_logits.cpu().numpy()
+        inputs = proposal.confidence_inputs.cpu().numpy() if keep_confidence_inputs else None
+        for b in range(len(seqs)):
+            p = prompt_len
+            while p < seq_len - block_size:
+                i = p - prompt_len
+                accepted = accepted_prefix_length(matches[b, i])
+                logits_rows.append(confidence[b, i])
+                matches_rows.append(matches[b, i])
+                lengths.append(accepted + 1)
+                if inputs is not None:
+                    input_rows.append(inputs[b, i])
+                p += accepted + 1
+    return VerifyRecords(
+        confidence_logits=np.asarray(logits_rows, dtype=np.float64),
+        accepted=np.asarray(matches_rows, dtype=bool),
+        acceptance_lengths=np.asarray(lengths, dtype=np.int64),
+        confidence_inputs=np.stack(input_rows) if input_rows else None,
+    )
+
+
+def acceptance_report(records: VerifyRecords) -> dict:
+    """Mean acceptance length and per-position acceptance of a set of verify steps."""
+    survived = np.cumprod(records.accepted, axis=1).astype(bool)
+    reached = np.concatenate([np.ones((records.num_steps, 1), bool), survived[:, :-1]], axis=1)
+    conditional = [
+        float(records.accepted[reached[:, k], k].mean()) if reached[:, k].any() else None
+        for k in range(records.accepted.shape[1])
+    ]
+    return {
+        "verify_steps": records.num_steps,
+        "mean_acceptance_length": float(records.acceptance_lengths.mean()),
+        "acceptance_rate_conditional": conditional,
+        "survival_rate": survived.mean(axis=0).tolist(),
+    }
