@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -348,6 +349,9 @@ def print_table(result: dict) -> None:
 
 
 def git_commit() -> str:
+    # The GPU machine gets a copy of the tree without .git: the caller names the commit.
+    if os.environ.get("DSPARK_COMMIT"):
+        return os.environ["DSPARK_COMMIT"]
     try:
         done = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
