@@ -43,7 +43,7 @@ def main(spec: dict) -> None:
                 **llm.collective_rpc(read_last_proposal)[0],
             }
         )
-    print(json.dumps(rows))
+    print("PROBE " + json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def main(spec: dict) -> None:
     counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
     token_ids = [list(out.outputs[0].token_ids) for out in outputs]
     print(
-        json.dumps(
+        "PROBE "
+        + json.dumps(
             {
                 "token_ids": token_ids,
                 "spec_decode": asdict(counts),

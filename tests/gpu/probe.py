@@ -30,4 +30,6 @@ def run_probe(spec: dict, plugins: str | None = None, timeout: int = 900) -> dic
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too: our line is the one with the marker.
+    line = next(x for x in done.stdout.splitlines() if x.startswith("PROBE "))
+    return json.loads(line.removeprefix("PROBE "))

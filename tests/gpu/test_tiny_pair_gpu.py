@@ -38,7 +38,8 @@ def vllm_proposals(prompts, options=None):
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    line = next(x for x in done.stdout.splitlines() if x.startswith("PROBE "))
+    return json.loads(line.removeprefix("PROBE "))
 
 
 @pytest.fixture(scope="module")
