@@ -32,9 +32,10 @@ class ArmResult:
     calibration: dict | None
 
 
-def load_prompts(pair_dir: Path, num_prompts: int) -> list[list[int]]:
+def load_prompts(pair_dir: Path = EMBEDDED_PAIR, num_prompts: int = 200) -> list[list[int]]:
+    """Token ids of the pair's held-out prompts (never seen in training)."""
     prompts = json.loads((pair_dir / "heldout_prompts.json").read_text())
-    return prompts[:num_prompts]
+    return [prompt["prompt_token_ids"] for prompt in prompts[:num_prompts]]
 
 
 def run_arm(pair_dir: Path, prompts, max_tokens: int, k: int | None, dtype: str) -> ArmResult:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dspark.demo import EMBEDDED_PAIR
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 PROBE = Path(__file__).with_name("draft_probe.py")
 NUM_PROMPTS = 24
@@ -52,8 +52,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def prompts():
-    held_out = json.loads((EMBEDDED_PAIR / "heldout_prompts.json").read_text())
-    return held_out[:NUM_PROMPTS]
+    return load_prompts(num_prompts=NUM_PROMPTS)
 
 
 def test_reference_drafts_equal_vllm_drafts(reference, prompts):

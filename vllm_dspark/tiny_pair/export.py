@@ -232,7 +232,8 @@ benchmarks of speculative decoding only.
   (float32; input `{CONFIDENCE_INPUT_LAYOUT}`). It shares the target's embedding and LM
   head (not stored). `dspark_calibration.json`: STS temperatures of the confidence logits.
 - `eval.json`: the PyTorch evaluation below; `training.json`: corpus and training record;
-  `heldout_prompts.json`: 64 held-out prompts (token ids and text) for benchmarks.
+  `heldout_prompts.json`: {sizes["heldout_prompts"]} held-out prompts (token ids and text)
+  for benchmarks.
 
 ## Sizes and a deviation
 
@@ -322,6 +323,7 @@ def export_pair(
         "target_bytes": (export_dir / "target" / "model.safetensors").stat().st_size,
         "draft_parameters": safetensors_parameters(export_dir / "draft" / "model.safetensors"),
         "draft_bytes": (export_dir / "draft" / "model.safetensors").stat().st_size,
+        "heldout_prompts": len(prompts),
     }
     (export_dir / "README.md").write_text(model_card(sizes, eval_report, training))
     return {"export_dir": str(export_dir), **sizes}
