@@ -7,6 +7,8 @@ which is the stock bf16 path unless an FP8 head option is on.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
@@ -18,6 +20,8 @@ from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
 from vllm_dspark.config import DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
+
+_PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
 
 
 class DSparkPluginSpeculator(DSparkSpeculator):
@@ -53,39 +57,20 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             )
         return model
 
-    def propose(
-        self,
-        input_batch,
-        attn_metadata,
-        slot_mappings,
-        last_hidden_states,
-        aux_hidden_states,
-        num_sampled,
-        num_rejected,
-        *args,
-        dummy_run=False,
-        **kwargs,
-    ):
-        if self.calibration is not None and not dummy_run:
+    def propose(self, *args, **kwargs):
+        # The runner passes these by position or by name; bind to read them either way.
+        call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
+        observing = self.calibration is not None and not call.get("dummy_run", False)
+        input_batch = call["input_batch"]
+        if observing:
             # The drafts just verified are the ones this slot proposed last step.
             num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
-            num_accepted = (num_sampled - 1).clamp_(min=0)
+            num_accepted = (call["num_sampled"] - 1).clamp_(min=0)
             self.calibration.observe(input_batch.idx_mapping, num_verified, num_accepted)
-        drafts = super().propose(
-            input_batch,
-            attn_metadata,
-            slot_mappings,
-            last_hidden_states,
-            aux_hidden_states,
-            num_sampled,
-            num_rejected,
-            *args,
-            dummy_run=dummy_run,
-            **kwargs,
-        )
-        if self.calibration is not None and not dummy_run:
-            num_reqs = input_batch.num_reqs
-            self.calibration.record_proposals(input_batch.idx_mapping, self.survival[:num_reqs])
+        drafts = super().propose(*args, **kwargs)
+        if observing:
+            survival = self.survival[: input_batch.num_reqs]
+            self.calibration.record_proposals(input_batch.idx_mapping, survival)
         return drafts
 
     def _sample_sequential(self, num_reqs: int, head_hidden: torch.Tensor) -> None:
