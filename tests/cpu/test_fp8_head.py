@@ -228,6 +228,10 @@ def test_launchers_validate_inputs_and_accept_zero_rows():
         kernels.fp8_head_argmax(x, head, markov_embed=e)
     index, value = kernels.fp8_head_argmax(x[:0], head)
     assert index.shape == (0,) and value.shape == (0,)
+    cublas = next(c for c in kernels.candidate_configs(1792) if c.cublas)
+    w2 = torch.randn(100, 16).bfloat16()
+    with pytest.raises(ValueError, match="cuBLAS route"):
+        kernels.fp8_head_argmax(x, head, markov_embed=e, markov_weight=w2, config=cublas)
     assert kernels.fp8_head_logits(x[:0], head, vocab_limit=90).shape == (0, 90)
 
 

@@ -82,6 +82,9 @@ class HeadTileConfig:
     act_fp8: bool  # True: e4m3 x e4m3 dot; False: weight upcast to bf16 (W8A16)
     fast_accum: bool = False  # FP8 only: let the tensor cores accumulate all of K
     tma_ctas_per_sm: int = 0  # > 0: persistent TMA kernel with this many programs per SM
+    # True: the product runs in cuBLAS (torch._scaled_mm, rowwise scales, bf16 out) and a
+    # torch argmax follows; the tile fields are unused. No Markov fusion on this route.
+    cublas: bool = False
 
 
 # (max rows, config). Rows <= 64: one token tile, a weight stream through cp.async, several
@@ -118,6 +121,7 @@ def candidate_configs(rows: int) -> list[HeadTileConfig]:
         ]
     else:
         extra = [
+            cfg(128, 128, 128, 8, 3, act_fp8=True, cublas=True),
             cfg(128, 128, 128, 8, 3, act_fp8=True),
             cfg(128, 256, 128, 8, 3, act_fp8=True, fast_accum=True, tma_ctas_per_sm=1),
             cfg(128, 256, 128, 8, 3, act_fp8=True, fast_accum=True),
@@ -539,7 +543,11 @@ def _check_inputs(x, head, markov_embed, markov_weight, vocab_limit) -> int:
     return limit
 
 
-def _check_config(config: HeadTileConfig) -> None:
+def _check_config(config: HeadTileConfig, has_markov: bool) -> None:
+    if config.cublas:
+        if has_markov or not config.act_fp8:
+            raise ValueError("the cuBLAS route is FP8 x FP8 without a Markov bias")
+        return
     if config.block_v < MIN_BLOCK_V or config.block_m < 16 or config.block_k < 32:
         raise ValueError(f"tile too small for tl.dot / the workspace: {config}")
 
@@ -624,6 +632,21 @@ def _launch_tiles(
         )
 
 
+def _cublas_logits(x, head, workspace) -> torch.Tensor:
+    """All ``[rows, vocab]`` bf16 logits through cuBLAS's rowwise-scaled FP8 GEMM."""
+    rows = x.shape[0]
+    x_q, x_scale = quantize_activations(
+        x, out_q=workspace.x_q[:rows], out_scale=workspace.x_scale[:rows]
+    )
+    return torch._scaled_mm(
+        x_q,
+        head.weight.t(),
+        scale_a=x_scale[:, None],
+        scale_b=head.scale[None, :],
+        out_dtype=torch.bfloat16,
+    )
+
+
 def _tma_compatible(x_in: torch.Tensor, head: Fp8RowwiseWeight) -> bool:
     """TMA needs 16-byte aligned bases and row strides; otherwise the pointer kernel runs."""
     return all(
@@ -675,10 +698,14 @@ def fp8_head_logits(
     if out.shape[0] != rows or not limit <= out.shape[1] <= head.vocab:
         raise ValueError(f"out must be [{rows}, n] with {limit} <= n <= {head.vocab}")
     config = config or default_config(rows)
-    _check_config(config)
+    _check_config(config, markov_embed is not None)
     if rows == 0:
         return out
     workspace = _workspace_for(workspace, rows, head)
+    if config.cublas:
+        out[:, :limit].copy_(_cublas_logits(x, head, workspace)[:, :limit])
+        out[:, limit:].fill_(float("-inf"))
+        return out
     _launch_tiles(
         x, head, markov_embed, markov_weight, limit, out.shape[1], config, workspace, out=out
     )
@@ -722,10 +749,20 @@ def fp8_head_argmax(
     ):
         raise ValueError(f"out_value must be contiguous float32 of shape ({rows},)")
     config = config or default_config(rows)
-    _check_config(config)
+    _check_config(config, markov_embed is not None)
     if rows == 0:
         return out_index, out_value
     workspace = _workspace_for(workspace, rows, head)
+    if config.cublas:
+        logits = _cublas_logits(x, head, workspace)[:, :limit]
+        index = logits.argmax(dim=-1)  # the first maximum: ties go to the lowest index
+        value = logits.gather(1, index[:, None]).squeeze(1).float()
+        # A NaN row's argmax lands on a NaN, an infinite one on +inf; -inf elsewhere in a
+        # row is not looked for on this route.
+        bad = ~torch.isfinite(value)
+        out_index.copy_(torch.where(bad, -1, index))
+        out_value.copy_(torch.where(bad, float("nan"), value))
+        return out_index, out_value
     num_tiles = triton.cdiv(limit, config.block_v)
     part_value = workspace.part_value[: rows * num_tiles].view(rows, num_tiles)
     part_index = workspace.part_index[: rows * num_tiles].view(rows, num_tiles)
