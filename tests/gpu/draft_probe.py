@@ -29,7 +29,7 @@ def main(spec: dict) -> None:
         dtype="bfloat16",
         max_model_len=1024,
         max_num_seqs=8,
-        gpu_memory_utilization=0.25,
+        gpu_memory_utilization=0.1,
         seed=0,
         speculative_config={**speculative, **spec.get("options", {})},
     )
