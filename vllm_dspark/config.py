@@ -349,19 +349,26 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
 
 
 # Options declared for the issues still to come; each leaves this set when it ships.
-NOT_IMPLEMENTED = frozenset(OPTION_NAMES) - {
-    "fp8_draft_head",
-    "fp8_markov_head",
-    "confidence_metrics",
-}
+NOT_IMPLEMENTED = frozenset({"sps_curve", "online_sts", "dynamic_depth"})
+# Capacity modes likewise.
+CAPACITY_IMPLEMENTED = ("off", "budget")
 
 
 def check_implemented(options: DSparkOptions) -> None:
-    missing = sorted(set(options.non_default()) & NOT_IMPLEMENTED)
-    if missing:
-        from vllm_dspark import __version__
+    from vllm_dspark import __version__
 
-        names = ", ".join(f"{KEY_PREFIX}{name}" for name in missing)
+    missing = [
+        f"{KEY_PREFIX}{name}" for name in sorted(set(options.non_default()) & NOT_IMPLEMENTED)
+    ]
+    if options.capacity not in CAPACITY_IMPLEMENTED:
+        missing.insert(0, f"{KEY_PREFIX}capacity={options.capacity!r}")
+    if missing:
         raise DSparkOptionError(
-            f"vllm-dspark: {names} not implemented in this version ({__version__})."
+            f"vllm-dspark: {', '.join(missing)} not implemented in this version ({__version__})."
+        )
+    if options.capacity != "off" and not options.varlen_verify:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}capacity={options.capacity!r} needs "
+            f"{KEY_PREFIX}varlen_verify=true in this version (the masked fallback, which "
+            "verifies admitted drafts without compacting the batch, is not implemented)."
         )

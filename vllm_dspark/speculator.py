@@ -15,10 +15,10 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-from vllm_dspark.capacity.allocation import prefix_survival
+from vllm_dspark.capacity.allocation import admission_budget, budget_capacity, prefix_survival
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
-from vllm_dspark.config import DSparkOptions
+from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
 
 _PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
@@ -34,6 +34,14 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         # Per batch row of the last proposal: confidence logits and prefix survival.
         self.confidence_logits = torch.zeros(shape, dtype=torch.float32, device=device)
         self.survival = torch.ones(shape, dtype=torch.float32, device=device)
+        # Per request slot: the survival of the drafts it waits to have verified.
+        self.slot_survival = torch.ones(shape, dtype=torch.float32, device=device)
+        # Read by patches/compact_verification.py.
+        self.controls_capacity = options.capacity == "budget"
+        self.drafts_proposed = 0  # in compacted steps, for the admitted share
+        self.drafts_admitted = 0
+        if self.controls_capacity:
+            _check_compaction_supported(vllm_config)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
@@ -52,26 +60,45 @@ class DSparkPluginSpeculator(DSparkSpeculator):
                 self.device,
             )
         if self.options.confidence_metrics:
-            self.calibration = CalibrationStats(
-                self.max_num_reqs, self.num_speculative_steps, self.device
-            )
+            self.calibration = CalibrationStats(self.num_speculative_steps, self.device)
         return model
 
     def propose(self, *args, **kwargs):
         # The runner passes these by position or by name; bind to read them either way.
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
-        observing = self.calibration is not None and not call.get("dummy_run", False)
+        real_step = not call.get("dummy_run", False)
         input_batch = call["input_batch"]
-        if observing:
-            # The drafts just verified are the ones this slot proposed last step.
+        slots = input_batch.idx_mapping
+        if self.calibration is not None and real_step:
+            # The drafts just verified are the ones each slot proposed last step.
             num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
             num_accepted = (call["num_sampled"] - 1).clamp_(min=0)
-            self.calibration.observe(input_batch.idx_mapping, num_verified, num_accepted)
+            self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         drafts = super().propose(*args, **kwargs)
-        if observing:
-            survival = self.survival[: input_batch.num_reqs]
-            self.calibration.record_proposals(input_batch.idx_mapping, survival)
+        if self.confidence is not None and real_step:
+            self.slot_survival[slots] = self.survival[: input_batch.num_reqs]
         return drafts
+
+    def set_attn(
+        self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+    ):
+        super().set_attn(
+            model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+        )
+        if self.controls_capacity:
+            _check_compaction_backends(target_attn_groups)
+
+    def admission_budget(self, num_reqs: int) -> int:
+        """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
+        return admission_budget(num_reqs, self.num_speculative_steps, self.options.budget_frac)
+
+    def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
+        """k_r of each request: the ``budget`` best slots by proposal-time survival."""
+        return budget_capacity(self.slot_survival[slots], budget)
+
+    def record_admission(self, num_reqs: int, budget: int) -> None:
+        self.drafts_proposed += num_reqs * self.num_speculative_steps
+        self.drafts_admitted += budget
 
     def _sample_sequential(self, num_reqs: int, head_hidden: torch.Tensor) -> None:
         """The sequential Markov stage, drafting through ``self.heads``.
@@ -125,6 +152,36 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             self.survival[:num_reqs] = prefix_survival(
                 self.confidence_logits[:num_reqs], self.temperatures
             )
+
+
+def _check_compaction_supported(vllm_config: VllmConfig) -> None:
+    """Compact verification rewrites per-token inputs on the GPU: refuse the features
+    that keep their own host-side per-request layout of the batch."""
+    parallel = vllm_config.parallel_config
+    unsupported = {
+        "LoRA": vllm_config.lora_config is not None,
+        "decode context parallelism": parallel.decode_context_parallel_size > 1,
+        "prefill context parallelism": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+        "a hybrid (Mamba) target": vllm_config.model_config.is_hybrid,
+    }
+    found = [name for name, present in unsupported.items() if present]
+    if found:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}varlen_verify does not support {', '.join(found)} in "
+            f"this version. Valid here: {KEY_PREFIX}capacity=off."
+        )
+
+
+def _check_compaction_backends(target_attn_groups) -> None:
+    """The target's attention must take device-chosen query lengths: FlashAttention 3."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    names = {group.backend.get_name() for groups in target_attn_groups for group in groups}
+    if names != {"FLASH_ATTN"} or get_flash_attn_version() != 3:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}varlen_verify needs the target to run FlashAttention 3 "
+            f"(found {', '.join(sorted(names))}); on Hopper pass --attention-backend FLASH_ATTN."
+        )
 
 
 class DFlashPluginSpeculator(DFlashSpeculator):

@@ -12,9 +12,7 @@ def simulate(stats, survival, gen, calibrated=True):
     truth = conditional if calibrated else conditional**3
     accepted_each = torch.rand(truth.shape, generator=gen) < truth
     num_accepted = torch.cumprod(accepted_each.long(), dim=1).sum(dim=1)
-    slots = torch.arange(len(survival))
-    stats.record_proposals(slots, survival)
-    stats.observe(slots, torch.full((len(survival),), K), num_accepted)
+    stats.observe(survival, torch.full((len(survival),), K), num_accepted)
 
 
 def random_survival(n, gen):
@@ -23,7 +21,7 @@ def random_survival(n, gen):
 
 def test_calibrated_predictions_have_small_ece_and_informative_auroc():
     gen = torch.Generator().manual_seed(0)
-    stats = CalibrationStats(20_000, K, torch.device("cpu"))
+    stats = CalibrationStats(K, torch.device("cpu"))
     simulate(stats, random_survival(20_000, gen), gen)
     summary = stats.summary()
     for kind in ("conditional", "prefix"):
@@ -36,17 +34,16 @@ def test_calibrated_predictions_have_small_ece_and_informative_auroc():
 
 def test_miscalibration_shows_in_ece():
     gen = torch.Generator().manual_seed(1)
-    stats = CalibrationStats(20_000, K, torch.device("cpu"))
+    stats = CalibrationStats(K, torch.device("cpu"))
     simulate(stats, random_survival(20_000, gen), gen, calibrated=False)
     assert min(stats.summary()["conditional"].ece) > 0.1
 
 
 def test_unverified_positions_are_censored_not_counted_as_rejections():
-    stats = CalibrationStats(4, K, torch.device("cpu"))
-    slots = torch.tensor([0, 1])
-    stats.record_proposals(slots, torch.tensor([[0.9, 0.8, 0.7], [0.9, 0.8, 0.7]]))
+    stats = CalibrationStats(K, torch.device("cpu"))
+    survival = torch.tensor([[0.9, 0.8, 0.7], [0.9, 0.8, 0.7]])
     # Request 0: one draft verified and accepted; request 1: two verified, first rejected.
-    stats.observe(slots, torch.tensor([1, 2]), torch.tensor([1, 0]))
+    stats.observe(survival, torch.tensor([1, 2]), torch.tensor([1, 0]))
     summary = stats.summary()
     assert summary["conditional"].trials == [2, 0, 0]
     assert summary["conditional"].mean_observed[0] == 0.5
@@ -57,14 +54,10 @@ def test_counts_do_not_depend_on_batch_order():
     gen = torch.Generator().manual_seed(2)
     survival = random_survival(500, gen)
     accepted = torch.randint(0, K + 1, (500,), generator=gen)
-    a, b = (
-        CalibrationStats(500, K, torch.device("cpu")),
-        CalibrationStats(500, K, torch.device("cpu")),
-    )
+    a, b = CalibrationStats(K, torch.device("cpu")), CalibrationStats(K, torch.device("cpu"))
     order = torch.randperm(500, generator=gen)
     for stats, idx in ((a, torch.arange(500)), (b, order)):
-        stats.record_proposals(idx, survival[idx])
-        stats.observe(idx, torch.full((500,), K), accepted[idx])
+        stats.observe(survival[idx], torch.full((500,), K), accepted[idx])
     for name in ("trials", "hits", "predicted"):
         assert torch.equal(getattr(a.conditional, name), getattr(b.conditional, name))
 

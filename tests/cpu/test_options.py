@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from vllm_dspark import config as dspark_config
 from vllm_dspark.config import DSparkOptionError, DSparkOptions, resolve_options
 
 K = 7  # the tiny DSpark draft's block size
@@ -205,14 +204,14 @@ BAD_INPUTS = [
         "dspark",
         {"dspark_capacity": "threshold"},
         {},
-        ["dspark_capacity not implemented in this version"],
+        ["dspark_capacity='threshold' not implemented in this version"],
     ),
     (
         "dash spelling",
         "dspark",
         {"dspark-capacity": "budget"},
         {},
-        ["dspark_capacity not implemented in this version"],
+        ["dspark_capacity='budget' needs dspark_varlen_verify=true"],
     ),
 ]
 
@@ -289,15 +288,23 @@ def test_defaults_are_inactive():
     assert not resolve_options({"dspark_capacity": "off"}, {})[0].active
 
 
-def test_options_are_carried_in_the_engine_config(engine_config, model_dirs, monkeypatch):
-    # Pretend every option is implemented, to test the carrying on its own.
-    monkeypatch.setattr(dspark_config, "NOT_IMPLEMENTED", frozenset())
+def test_options_are_carried_in_the_engine_config(engine_config, model_dirs):
     stock = engine_config(spec(model_dirs))
-    speculative = spec(model_dirs, dspark_capacity="budget", dspark_budget_frac=0.5)
+    speculative = spec(
+        model_dirs, dspark_capacity="budget", dspark_budget_frac=0.5, dspark_varlen_verify=True
+    )
     config = engine_config(speculative)
-    assert config.additional_config["dspark"] == {"capacity": "budget", "budget_frac": 0.5}
+    assert config.additional_config["dspark"] == {
+        "capacity": "budget",
+        "budget_frac": 0.5,
+        "varlen_verify": True,
+    }
     restored = DSparkOptions.from_vllm_config(config)
-    assert (restored.capacity, restored.budget_frac) == ("budget", 0.5)
+    assert (restored.capacity, restored.budget_frac, restored.varlen_verify) == (
+        "budget",
+        0.5,
+        True,
+    )
     assert DSparkOptions.from_vllm_config(stock) == DSparkOptions()
     # Options change the graphs, so they must change the config hash.
     assert config.compute_hash() != stock.compute_hash()

@@ -1,10 +1,10 @@
 """How well the confidence head predicts acceptance, measured while serving.
 
-At proposal time each request's prefix survivals s(r, k) are kept per request slot.
-When the target has verified those drafts, the rejection sampler's result (how many
-drafts were verified, how many accepted) is binned against them, per position, on the
-GPU: no host synchronisation, integer counts only, so the reduction is exactly the same
-on every tensor-parallel rank.
+When the target has verified a request's drafts, the rejection sampler's result (how
+many drafts were verified, how many accepted) is binned against the prefix survivals
+s(r, k) predicted when those drafts were proposed, per position, on the GPU: no host
+synchronisation, integer counts only, so the reduction is exactly the same on every
+tensor-parallel rank.
 
 Two statistics, both free of censoring bias:
 
@@ -92,22 +92,15 @@ def _binned_auroc(positives: torch.Tensor, negatives: torch.Tensor) -> float:
 
 
 class CalibrationStats:
-    def __init__(self, max_slots: int, num_drafts: int, device: torch.device, num_bins: int = 50):
+    def __init__(self, num_drafts: int, device: torch.device, num_bins: int = 50):
         self.num_drafts = num_drafts
-        # Survivals of the drafts each request slot is waiting to have verified.
-        self.pending = torch.zeros(max_slots, num_drafts, dtype=torch.float32, device=device)
         self.conditional = _Histogram(num_drafts, num_bins, device)
         self.prefix = _Histogram(num_drafts, num_bins, device)
 
-    def record_proposals(self, slots: torch.Tensor, survival: torch.Tensor) -> None:
-        """slots [R] (request-state indices), survival [R, K] of the drafts just made."""
-        self.pending[slots] = survival
-
     def observe(
-        self, slots: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor
+        self, survival: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor
     ) -> None:
-        """After verification: per request, drafts verified and drafts accepted. [R] each."""
-        survival = self.pending[slots]
+        """survival [R, K] as predicted at proposal; drafts verified and accepted [R]."""
         position = torch.arange(self.num_drafts, device=survival.device)  # k - 1
         verified = position < num_verified[:, None]
         accepted = position < num_accepted[:, None]

@@ -31,7 +31,13 @@ def _make_wrapper(init_speculator):
         from vllm_dspark.speculator import DFlashPluginSpeculator, DSparkPluginSpeculator
 
         cls = DSparkPluginSpeculator if method == "dspark" else DFlashPluginSpeculator
-        return cls(vllm_config, device, options)
+        speculator = cls(vllm_config, device, options)
+        if getattr(speculator, "controls_capacity", False):
+            # The runner is imported by now: its own hooks go in only when needed.
+            from vllm_dspark.patches import compact_verification
+
+            compact_verification.apply()
+        return speculator
 
     return init_speculator_with_dspark
 

@@ -1,0 +1,101 @@
+"""The runner-side rewrite of a uniform verification batch (CPU, real vLLM InputBatch)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+K = 7
+
+
+@pytest.fixture
+def speculator(engine_config, model_dirs):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.speculator import DSparkPluginSpeculator
+
+    options = {
+        "dspark_capacity": "budget",
+        "dspark_budget_frac": 0.25,
+        "dspark_varlen_verify": True,
+    }
+    config = engine_config(
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K, **options}
+    )
+    from vllm_dspark.config import DSparkOptions
+
+    with set_current_vllm_config(config):
+        return DSparkPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+
+
+def uniform_batch(num_reqs, computed):
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    buffers = InputBuffers(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"))
+    batch = InputBatch.make_dummy(num_reqs, num_reqs * (1 + K), buffers)
+    n = num_reqs * (1 + K)
+    buffers.input_ids[:n] = torch.arange(1000, 1000 + n, dtype=torch.int32)
+    buffers.positions[:n] = torch.tensor(
+        [computed[r] + j for r in range(num_reqs) for j in range(1 + K)]
+    )
+    buffers.seq_lens[:num_reqs] = torch.tensor([c + 1 + K for c in computed], dtype=torch.int32)
+    return batch, buffers
+
+
+def test_compacted_batch_verifies_the_budgets_best_prefixes(speculator):
+    from vllm_dspark.patches.compact_verification import compact_input_batch
+
+    num_reqs = 3
+    batch, buffers = uniform_batch(num_reqs, computed=[10, 20, 30])
+    batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)  # request slots
+    # Slot 5 is confident, slot 2 not at all, slot 9 in between.
+    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.slot_survival[2] = torch.full((K,), 0.01)
+    speculator.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
+    budget = speculator.admission_budget(num_reqs)  # ceil(3 * 7 * 0.25) = 6
+    assert budget == 6
+    runner = SimpleNamespace(input_buffers=buffers, speculator=speculator)
+    compact = compact_input_batch(runner, batch, budget)
+    # Best 6: slot 5's first five (0.99 .. 0.93 > 0.5) and slot 9's first (0.95).
+    lengths = [1 + 5, 1 + 0, 1 + 1]
+    assert compact.num_tokens == num_reqs + budget == sum(lengths)
+    assert compact.cu_num_logits.tolist() == [0, 6, 7, 9]
+    assert buffers.query_start_loc[:4].tolist() == [0, 6, 7, 9]
+    expected_ids = list(range(1000, 1006)) + [1008] + [1016, 1017]
+    assert buffers.input_ids[:9].tolist() == expected_ids
+    assert buffers.positions[:9].tolist() == [10, 11, 12, 13, 14, 15, 20, 30, 31]
+    assert buffers.seq_lens[:3].tolist() == [10 + 6, 20 + 1, 30 + 2]
+    assert compact.expanded_idx_mapping.tolist() == [5] * 6 + [2] + [9] * 2
+    assert compact.expanded_local_pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 1]
+    assert compact.logits_indices.tolist() == list(range(9))
+    assert compact.num_draft_tokens == budget
+    assert speculator.drafts_admitted == budget and speculator.drafts_proposed == num_reqs * K
+
+
+def scheduler_output(counts, drafts, structured=False):
+    return SimpleNamespace(
+        num_scheduled_tokens=counts,
+        scheduled_spec_decode_tokens=drafts,
+        has_structured_output_requests=structured,
+    )
+
+
+def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
+    from vllm_dspark.patches.compact_verification import _step_budget
+
+    runner = SimpleNamespace(
+        speculator=speculator,
+        req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
+        sampler=SimpleNamespace(returns_logprobs=lambda slots: bool((slots == 1).any())),
+    )
+    decode = {"a": 1 + K}
+    drafts = {"a": [-1] * K}
+    assert _step_budget(runner, scheduler_output(decode, drafts)) == 2  # ceil(7 * 0.25)
+    # A prefill in the batch, structured output, or a request asking for logprobs: no.
+    assert _step_budget(runner, scheduler_output({"a": 1 + K, "b": 40}, drafts)) is None
+    assert _step_budget(runner, scheduler_output(decode, drafts, structured=True)) is None
+    both = {"a": 1 + K, "b": 1 + K}
+    assert _step_budget(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
+    assert _step_budget(runner, scheduler_output({}, {})) is None

@@ -1,0 +1,133 @@
+"""Verify only the drafts capacity control admits, packed without padding.
+
+What: wraps three names of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``):
+``GPUModelRunner.execute_model``, where the step's admission budget B is decided on the
+host; ``dispatch_cg_and_sync_dp``, which picks the CUDA graph from the step's token
+count; and ``GPUModelRunner.prepare_inputs``. In a decode-only step (every request with
+its K drafts) of a runner whose speculator controls capacity, the dispatch is asked for
+the compact R + B tokens instead of R * (1 + K); after the stock input preparation the
+batch is rewritten on the GPU to the compact
+layout of :mod:`vllm_dspark.verify.compaction` (input ids, positions, query offsets,
+sequence lengths, logits indices and the rejection sampler's per-request draft
+counts). The slot mappings and attention metadata are then derived by vLLM from the
+compact batch as usual. Steps with prefills, structured output or logprobs run
+unchanged (all K drafts), which is always lossless. Runners whose speculator has no
+capacity control are untouched: the wrappers find no budget and call vLLM's code.
+Why: vLLM 0.26.0 verifies every scheduled draft; under load the verification of
+drafts that will be rejected costs more than speculation gains.
+Upstream: vllm-project/vllm#47808 (adaptive verification) does this in-tree, in vLLM
+releases after 0.26.0.
+Remove when: the pinned vLLM verifies a device-chosen subset of drafts itself.
+Applied lazily, by :mod:`vllm_dspark.patches.speculator_selection`, only when a
+speculator with capacity control is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from contextvars import ContextVar
+
+import numpy as np
+import torch
+
+from vllm_dspark.patches.wrapping import wrap
+from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens
+
+RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+# The admission budget of the step ``execute_model`` is running, if it is compacted.
+_step_budget_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_budget", default=None)
+
+
+def _step_budget(runner, scheduler_output) -> int | None:
+    """B for a step that can be compacted, else None (all K drafts are verified)."""
+    speculator = runner.speculator
+    num_drafts = speculator.num_speculative_steps
+    counts = scheduler_output.num_scheduled_tokens
+    if not counts:
+        return None
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    decode_only = all(
+        n == 1 + num_drafts and len(drafts.get(req_id, ())) == num_drafts
+        for req_id, n in counts.items()
+    )
+    if not decode_only or scheduler_output.has_structured_output_requests:
+        return None
+    slots = np.fromiter(map(runner.req_states.req_id_to_index.get, counts), dtype=np.int32)
+    if runner.sampler.returns_logprobs(slots):
+        # Logprobs are laid out per request on the host: verify everything this step.
+        return None
+    return speculator.admission_budget(len(counts))
+
+
+def _make_execute_wrapper(execute_model):
+    def execute_model_with_compaction(self, scheduler_output, *args, **kwargs):
+        if not getattr(self.speculator, "controls_capacity", False) or kwargs.get("dummy_run"):
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        token = _step_budget_var.set(_step_budget(self, scheduler_output))
+        try:
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        finally:
+            _step_budget_var.reset(token)
+
+    return execute_model_with_compaction
+
+
+def _make_dispatch_wrapper(dispatch):
+    def dispatch_with_compaction(manager, num_reqs, num_tokens, uniform_token_count, *args, **kw):
+        budget = _step_budget_var.get()
+        if budget is not None:
+            # Mixed-length queries from here on: no uniform-decode graph applies.
+            num_tokens, uniform_token_count = num_reqs + budget, None
+        return dispatch(manager, num_reqs, num_tokens, uniform_token_count, *args, **kw)
+
+    return dispatch_with_compaction
+
+
+def compact_input_batch(runner, batch, budget: int):
+    """The stock uniform batch rewritten to its compact layout of R + budget tokens."""
+    speculator = runner.speculator
+    num_drafts = speculator.num_speculative_steps
+    num_reqs = batch.num_reqs
+    num_tokens = num_reqs + budget
+    buffers = runner.input_buffers
+    capacity = speculator.verify_capacity(batch.idx_mapping, budget)
+    layout = compact_layout(capacity, num_drafts, num_tokens)
+    uniform = num_reqs * (1 + num_drafts)
+    # Gathered first, then written back: source and destination overlap.
+    input_ids = buffers.input_ids[:uniform][layout.source]
+    positions = buffers.positions[:uniform][layout.source]
+    buffers.input_ids[:num_tokens].copy_(input_ids)
+    buffers.positions[:num_tokens].copy_(positions)
+    buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
+    buffers.query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
+    buffers.seq_lens[:num_reqs].copy_(compact_seq_lens(buffers.seq_lens[:num_reqs], layout))
+    speculator.record_admission(num_reqs, budget)
+    return dataclasses.replace(
+        batch,
+        num_tokens=num_tokens,
+        num_draft_tokens=budget,
+        # Per-request counts live on the GPU now; the host keeps only upper bounds.
+        num_draft_tokens_per_req=None,
+        expanded_idx_mapping=batch.idx_mapping[layout.request],
+        expanded_local_pos=layout.offset.to(torch.int32),
+        logits_indices=torch.arange(num_tokens, device=layout.source.device),
+        cu_num_logits=layout.query_start_loc,
+    )
+
+
+def _make_prepare_wrapper(prepare_inputs):
+    def prepare_inputs_with_compaction(self, scheduler_output, batch_desc):
+        batch = prepare_inputs(self, scheduler_output, batch_desc)
+        budget = _step_budget_var.get()
+        return batch if budget is None else compact_input_batch(self, batch, budget)
+
+    return prepare_inputs_with_compaction
+
+
+def apply() -> None:
+    runner_module = sys.modules[RUNNER_MODULE]
+    runner = runner_module.GPUModelRunner
+    wrap(runner, "execute_model", _make_execute_wrapper)
+    wrap(runner_module, "dispatch_cg_and_sync_dp", _make_dispatch_wrapper)
+    wrap(runner, "prepare_inputs", _make_prepare_wrapper)
