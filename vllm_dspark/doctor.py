@@ -75,7 +75,7 @@ def run_doctor(out=print) -> bool:
     checks = [Check("vLLM version", vllm_version == SUPPORTED_VLLM_VERSION, "")]
     checks += _gpu_checks()
     try:
-        options, _ = resolve_options({})
+        resolve_options({})  # raises on a bad VLLM_DSPARK_* variable
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
         checks.append(Check("VLLM_DSPARK_* environment", True, str(env or "none set")))
     except DSparkOptionError as error:

@@ -41,7 +41,8 @@ def main(target: str, draft: str) -> None:
     with set_current_vllm_config(config):
         speculator = model_runner.init_speculator(config, torch.device("cpu"))
     print(
-        json.dumps(
+        "PROBE "
+        + json.dumps(
             {
                 "hash": config.compute_hash(),
                 "additional_config": config.additional_config,

@@ -1,30 +1,17 @@
 """With the plugin installed and no option set, vLLM runs exactly as stock."""
 
-import json
-import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+
+from subprocess_probe import run_probe, without_dspark_plugin
 
 PROBE = Path(__file__).with_name("stock_probe.py")
 
 
 def probe(model_dirs, plugins: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DSPARK_")}
-    env.pop("VLLM_PLUGINS", None)
-    if plugins is not None:
-        env["VLLM_PLUGINS"] = plugins
-    done = subprocess.run(
-        [sys.executable, str(PROBE), model_dirs["target"], model_dirs["dspark"]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    return run_probe(
+        PROBE, model_dirs["target"], model_dirs["dspark"], plugins=plugins, timeout=300
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_plugin_is_an_installed_general_plugin():
@@ -33,10 +20,7 @@ def test_plugin_is_an_installed_general_plugin():
 
 
 def test_no_option_means_stock(model_dirs):
-    others = [
-        ep.name for ep in entry_points(group="vllm.general_plugins") if ep.name != "vllm_dspark"
-    ]
-    stock = probe(model_dirs, plugins=",".join(others) or "none")
+    stock = probe(model_dirs, plugins=without_dspark_plugin())
     with_plugin = probe(model_dirs, plugins=None)
     # The probe really ran with and without the plugin...
     assert not stock["patched"] and with_plugin["patched"]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from probe import run_probe, without_dspark_plugin
+from subprocess_probe import run_probe, without_dspark_plugin
+
+LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 
 NUM_PROMPTS, MAX_TOKENS = 8, 64
 
@@ -24,8 +26,8 @@ def test_dspark_output_is_stock_with_plugin_loaded(model_dirs):
         "prompts": [[3 + (17 * i + 5 * j) % 4000 for j in range(32)] for i in range(NUM_PROMPTS)],
         "max_tokens": MAX_TOKENS,
     }
-    stock = run_probe(spec, plugins=without_dspark_plugin())
-    with_plugin = run_probe(spec)
+    stock = run_probe(LLM_PROBE, json.dumps(spec), plugins=without_dspark_plugin())
+    with_plugin = run_probe(LLM_PROBE, json.dumps(spec))
     identical = stock["token_ids"] == with_plugin["token_ids"]
     results_dir = os.environ.get("DSPARK_RESULTS_DIR")
     if results_dir:

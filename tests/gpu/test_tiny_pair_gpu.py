@@ -2,12 +2,11 @@
 exported weights, and the plugin's confidence head computes the reference's logits."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_probe import run_probe
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
@@ -30,16 +29,7 @@ def vllm_proposals(prompts, options=None):
         "options": options or {},
         "prompts": prompts,
     }
-    done = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("PROBE "))
-    return json.loads(line.removeprefix("PROBE "))
+    return run_probe(PROBE, json.dumps(spec))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,10 @@
-"""Run tests/gpu/llm_probe.py in a fresh process and return its JSON."""
+"""Run a probe script in a fresh Python process and return the JSON it reports.
+
+Probes print their result as one line starting with ``PROBE `` (vLLM logs to stdout
+too). A fresh process is how the tests load vLLM with or without this plugin.
+"""
+
+from __future__ import annotations
 
 import json
 import os
@@ -7,7 +13,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-PROBE = Path(__file__).with_name("llm_probe.py")
+MARKER = "PROBE "
 
 
 def without_dspark_plugin() -> str:
@@ -16,13 +22,14 @@ def without_dspark_plugin() -> str:
     return ",".join(name for name in others if name != "vllm_dspark") or "none"
 
 
-def run_probe(spec: dict, plugins: str | None = None, timeout: int = 900) -> dict:
+def run_probe(script: Path, *args: str, plugins: str | None = None, timeout: int = 900):
+    """``script args...`` with no VLLM_DSPARK_* variables and the given VLLM_PLUGINS."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DSPARK_")}
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
     done = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps(spec)],
+        [sys.executable, str(script), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -30,6 +37,5 @@ def run_probe(spec: dict, plugins: str | None = None, timeout: int = 900) -> dic
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    # vLLM logs to stdout too: our line is the one with the marker.
-    line = next(x for x in done.stdout.splitlines() if x.startswith("PROBE "))
-    return json.loads(line.removeprefix("PROBE "))
+    line = next(x for x in done.stdout.splitlines() if x.startswith(MARKER))
+    return json.loads(line.removeprefix(MARKER))
