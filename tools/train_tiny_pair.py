@@ -3,6 +3,8 @@
 
     python tools/train_tiny_pair.py --work-dir /tmp/tiny_work --pack $OUT   # GPU, ~9 min
     python tools/train_tiny_pair.py --smoke --work-dir /tmp/tiny_smoke --export-dir /tmp/x
+    python tools/train_tiny_pair.py --work-dir /tmp/w --from-export vllm_dspark/data/tiny_pair \
+        --export-dir /tmp/recalibrated     # GPU, ~1 min: recalibrate the shipped pair
 
 A rerun with the same --work-dir skips finished phases and resumes an interrupted one.
 Needs torch, transformers, tokenizers, safetensors, numpy and tqdm; not vLLM, not network.
@@ -53,6 +55,12 @@ def parse_args() -> argparse.Namespace:
         help="auto: bf16 autocast on CUDA, float32 on CPU",
     )
     parser.add_argument("--phases", nargs="+", default=None, help="run only these phases")
+    parser.add_argument(
+        "--from-export",
+        type=Path,
+        help="take target and drafter from this exported pair (same interpreter's corpus) "
+        "and run only the evaluate and export phases: a recalibration without retraining",
+    )
     budgets = parser.add_argument_group("time budgets in seconds (defaults from the preset)")
     budgets.add_argument("--target-budget-s", type=float)
     budgets.add_argument("--data-budget-s", type=float)
@@ -125,6 +133,10 @@ def main() -> None:
     started = time.monotonic()
     train.log(f"device {device}, precision {precision}, work dir {args.work_dir}")
     pipeline = train.Pipeline(config, args.work_dir, args.export_dir, runtime, args.deadline_s)
+    if args.from_export is not None:
+        pipeline.run(("corpus",))
+        pipeline.seed_from_export(args.from_export)
+        phases = ("evaluate", "export")
     pipeline.run(phases)
     if args.pack is not None:
         for path in export.pack_export(args.export_dir, args.pack):

@@ -120,12 +120,13 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         previous = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]]
         for step in range(num_drafts):
             markov_embed = self.model.markov_embed(previous)
-            if self.confidence is not None:
-                # c_k reads h_k and the previous token, never draft k itself.
-                self.confidence_logits[:num_reqs, step] = self.confidence(
-                    hidden[:, step], markov_embed
-                )
             logits = base[:, step] + self.heads.markov_bias(markov_embed)
+            if self.confidence is not None:
+                # c_k reads h_k, the previous token and the distribution draft k is drawn
+                # from, never draft k itself.
+                self.confidence_logits[:num_reqs, step] = self.confidence(
+                    hidden[:, step], markov_embed, logits
+                )
             if self.draft_logits is None:
                 tokens = self.model.map_draft_to_target(logits.argmax(dim=-1))
             else:

@@ -211,6 +211,21 @@ def test_default_table_covers_all_rows_with_one_token_tile_up_to_64():
             assert c.block_m in (16, 32, 64, 128, 256)
 
 
+def test_large_row_counts_go_to_cublas_where_it_applies():
+    kernels = pytest.importorskip("vllm_dspark.head.fp8_head_kernel")
+    assert not kernels.default_config(kernels.CUBLAS_MIN_ROWS - 1).cublas
+    assert kernels.default_config(kernels.CUBLAS_MIN_ROWS).cublas
+    tiles = kernels.default_config(1792, cublas=False)
+    assert not tiles.cublas and tiles.tma_ctas_per_sm == 1
+    assert tiles in kernels.candidate_configs(1792)
+    aligned = Fp8RowwiseWeight.from_weight(random_head(160, 64, seed=3))
+    odd = Fp8RowwiseWeight.from_weight(random_head(100, 64, seed=4))
+    assert kernels.cublas_compatible(aligned) and not kernels.cublas_compatible(odd)
+    x = torch.randn(3, 64).bfloat16()
+    with pytest.raises(ValueError, match="multiples of 16"):
+        kernels.fp8_head_argmax(x, odd, config=kernels.default_config(1792))
+
+
 def test_launchers_validate_inputs_and_accept_zero_rows():
     kernels = pytest.importorskip("vllm_dspark.head.fp8_head_kernel")
     head = Fp8RowwiseWeight.from_weight(random_head(100, 64, seed=17))

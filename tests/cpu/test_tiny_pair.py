@@ -279,6 +279,7 @@ def test_export_layout_and_names(exported_pair):
     assert draft["architectures"] == ["Qwen3DSparkModel"]
     assert draft["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [0, 2]}
     assert draft["enable_confidence_head"] and draft["confidence_head_with_markov"]
+    assert draft[export.DRAFT_LOGPROB_KEY] is False
     names = export.describe_tensor_file(exported_pair / "draft" / "model.safetensors")
     assert names["confidence_head.weight"] == [1, 32 + 4]
     assert names["markov_head.markov_w1.weight"] == [VOCAB, 4]
@@ -368,3 +369,78 @@ def test_confidence_head_refit_learns_conditional_acceptance():
     weight, bias = cal.refit_confidence_head(inputs, accepted, np.zeros(d), 0.0, l2=0.0)
     np.testing.assert_allclose(weight, true_w, atol=0.15)
     assert bias == pytest.approx(true_b, abs=0.15)
+
+
+def test_draft_logprob_extension_folds_into_one_linear_head():
+    rng = np.random.default_rng(2)
+    n, k, d = 8000, 7, 4
+    inputs = rng.normal(size=(n, k, d))
+    weight, bias = np.array([1.0, -0.5, 0.25, 0.0]), 0.2
+    logits = inputs @ weight + bias
+    logprob = -rng.exponential(1.0, size=(n, k))
+    accepted = rng.random((n, k)) < cal.sigmoid(0.5 * logits + 2.0 * logprob + 0.3)
+    new_weight, new_bias = cal.extend_with_draft_logprob(logits, logprob, accepted, weight, bias)
+    assert new_weight.shape == (d + 1,)
+    np.testing.assert_allclose(new_weight[:d], 0.5 * weight, atol=0.1)
+    assert new_weight[d] == pytest.approx(2.0, abs=0.2)
+    assert new_bias == pytest.approx(0.5 * bias + 0.3, abs=0.15)
+
+
+@pytest.fixture(scope="module")
+def logprob_drafter(pair):
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(tiny_drafter_config(confidence_draft_logprob=True)).eval()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)
+    torch.nn.init.normal_(drafter.confidence_head.weight, std=0.5)
+    return drafter.requires_grad_(False)
+
+
+def test_confidence_head_reads_the_draft_top1_logprob(pair, logprob_drafter):
+    target, _, shared = pair
+    ids = torch.randint(3, VOCAB, (2, 24))
+    features = target_features(target, ids, logprob_drafter.config.target_layer_ids)
+    anchors = torch.tensor([[10, 17], [12, 20]])
+    proposal = logprob_drafter.propose(
+        features.aux_hidden,
+        anchors,
+        ids.gather(1, anchors),
+        shared,
+        keep_logits=True,
+        keep_confidence_inputs=True,
+    )
+    top1 = torch.log_softmax(proposal.logits.float(), dim=-1).amax(dim=-1)
+    torch.testing.assert_close(proposal.draft_logprob, top1)
+    torch.testing.assert_close(proposal.confidence_inputs[..., -1], top1)
+    head = logprob_drafter.confidence_head
+    expected = (proposal.confidence_inputs @ head.weight[0] + head.bias).float()
+    torch.testing.assert_close(proposal.confidence_logits, expected)
+
+
+def test_plugin_confidence_head_follows_the_checkpoint_layout(
+    pair, logprob_drafter, exported_pair, tmp_path
+):
+    from vllm_dspark.capacity.confidence import ConfidenceHead
+    from vllm_dspark.config import DSparkOptionError
+
+    special_ids = {t: i for i, t in enumerate(corpus.SPECIAL_TOKENS)}
+    calibration = {"method": "sts", "temperatures": [1.0] * 7}
+    export.export_draft(logprob_drafter, special_ids, calibration, tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config[export.DRAFT_LOGPROB_KEY] is True
+    assert "log_softmax" in config["confidence_head_input"]
+    hidden_and_rank = 32 + 4
+    head = ConfidenceHead.from_checkpoint(str(tmp_path / "draft"), hidden_and_rank, "cpu")
+    assert head.reads_draft_logprob
+    hidden, markov = torch.randn(5, 32), torch.randn(5, 4)
+    logits = torch.randn(5, VOCAB) * 3
+    top1 = torch.log_softmax(logits, dim=-1).amax(dim=-1, keepdim=True)
+    ours = logprob_drafter.confidence_head(torch.cat([hidden, markov, top1], dim=-1))
+    torch.testing.assert_close(head(hidden, markov, logits), ours.squeeze(-1))
+    # A checkpoint without the key keeps the paper's [hidden ; markov] head.
+    plain = ConfidenceHead.from_checkpoint(str(exported_pair / "draft"), hidden_and_rank, "cpu")
+    assert not plain.reads_draft_logprob
+    assert plain(hidden, markov, logits).shape == (5,)
+    config[export.DRAFT_LOGPROB_KEY] = False  # now the file's head is one input too wide
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DSparkOptionError, match="has 37 inputs.*has 36"):
+        ConfidenceHead.from_checkpoint(str(tmp_path / "draft"), hidden_and_rank, "cpu")

@@ -3,8 +3,11 @@
 Stock vLLM 0.26.0 skips the ``confidence_head.*`` weights of a DSpark checkpoint. The
 head is one linear layer over ``[h_k ; markov_w1[x_{k-1}]]`` (the backbone's output at
 draft position k and the Markov embedding of the previous token), giving the logit z_k
-of "draft k survives given drafts 1..k-1 did". It runs in fp32 inside the captured
-draft graph. Temperatures T_k (Sequential Temperature Scaling) divide z_k; they come
+of "draft k survives given drafts 1..k-1 did". A checkpoint whose config.json sets
+``confidence_head_draft_logprob`` (the embedded pair does) adds one input: the top-1
+log-probability of the draft distribution at k, which depends on x_{k-1} but not on x_k,
+so decisions on it stay lossless. It runs in fp32 inside the captured draft graph.
+Temperatures T_k (Sequential Temperature Scaling) divide z_k; they come
 from ``dspark_confidence_temperature``, else from the checkpoint's
 ``dspark_calibration.json``, else are 1.
 """
@@ -21,6 +24,7 @@ from vllm_dspark.config import KEY_PREFIX, DSparkOptionError
 
 CALIBRATION_FILE = "dspark_calibration.json"
 PREFIX = "confidence_head."
+DRAFT_LOGPROB_KEY = "confidence_head_draft_logprob"
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -33,22 +37,33 @@ def _checkpoint_dir(model: str) -> Path:
 
 
 class ConfidenceHead(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, draft_logprob: bool):
         super().__init__()
         self.weight = torch.nn.Parameter(weight.float().reshape(1, -1), requires_grad=False)
         self.bias = torch.nn.Parameter(
             (bias if bias is not None else torch.zeros(1)).float().reshape(1), requires_grad=False
         )
+        self.reads_draft_logprob = draft_logprob
 
-    def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
-        """Confidence logits z_k: [rows, H], [rows, r] -> [rows] (fp32)."""
-        features = torch.cat([hidden, markov_embed], dim=-1).float()
+    def forward(
+        self, hidden: torch.Tensor, markov_embed: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Confidence logits z_k: [rows, H], [rows, r], draft logits [rows, V] -> [rows]."""
+        parts = [hidden.float(), markov_embed.float()]
+        if self.reads_draft_logprob:
+            logits = logits.float()
+            top1 = logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)
+            parts.append(top1.unsqueeze(-1))
+        features = torch.cat(parts, dim=-1)
         return torch.nn.functional.linear(features, self.weight, self.bias).squeeze(-1)
 
     @classmethod
-    def from_checkpoint(cls, model: str, in_features: int, device: torch.device):
+    def from_checkpoint(cls, model: str, hidden_and_rank: int, device: torch.device):
+        directory = _checkpoint_dir(model)
+        config = json.loads((directory / "config.json").read_text())
+        draft_logprob = bool(config.get(DRAFT_LOGPROB_KEY, False))
         tensors = {}
-        for file in sorted(_checkpoint_dir(model).glob("*.safetensors")):
+        for file in sorted(directory.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     if name.startswith(PREFIX):
@@ -58,12 +73,14 @@ class ConfidenceHead(torch.nn.Module):
                 f"vllm-dspark: the draft checkpoint {model} declares a confidence head but "
                 f"holds no {PREFIX}weight."
             )
+        in_features = hidden_and_rank + int(draft_logprob)
         if tensors["weight"].numel() != in_features:
+            layout = "hidden ; markov embedding" + " ; draft log-probability" * draft_logprob
             raise DSparkOptionError(
                 f"vllm-dspark: {PREFIX}weight of {model} has {tensors['weight'].numel()} "
-                f"inputs; this drafter's [hidden ; markov embedding] has {in_features}."
+                f"inputs; this drafter's [{layout}] has {in_features}."
             )
-        return cls(tensors["weight"], tensors.get("bias")).to(device)
+        return cls(tensors["weight"], tensors.get("bias"), draft_logprob).to(device)
 
 
 def resolve_temperatures(

@@ -35,7 +35,8 @@ Two operand paths (``HeadTileConfig.act_fp8``):
   sums are promoted into fp32 every <= 128 of K (Triton's ``max_num_imprecise_acc``).
 - W8A16: x stays bf16 and each weight tile is upcast e4m3 -> bf16 in registers (the A
   operand may live in registers); no prologue, more accurate, but conversion work per byte.
-:func:`default_config` picks per row-count bucket (see ``_DEFAULT_TABLE``); the benchmark
+:func:`default_config` picks per row-count bucket (see ``_DEFAULT_TABLE``; above 64 rows
+cuBLAS's rowwise FP8 GEMM with a torch argmax, where it applies); the benchmark
 (``benchmarks/bench_fp8_draft_head.py``) times the alternatives of :func:`candidate_configs`.
 
 Epilogues. (a) logits: ``[M, n_out]`` bf16 or fp32, columns >= ``vocab_limit`` written as
@@ -96,18 +97,34 @@ _DEFAULT_TABLE: tuple[tuple[int, HeadTileConfig], ...] = (
     (64, HeadTileConfig(128, 64, 128, 4, 4, act_fp8=True)),
     (1 << 62, HeadTileConfig(128, 128, 128, 8, 3, act_fp8=True, tma_ctas_per_sm=1)),
 )
+# Above 64 rows the head is a compute-bound GEMM, where cuBLAS's FP8 kernels beat our tiles
+# (H200, benchmarks/results/fp8_head.json: at 1792 rows 1.90 ms against 3.03 ms for
+# 4096 x 151936): they run the product and a torch argmax reads the bf16 logits back.
+CUBLAS_MIN_ROWS = 65
+_CUBLAS = HeadTileConfig(128, 128, 128, 8, 3, act_fp8=True, cublas=True)
 
 
-def default_config(rows: int) -> HeadTileConfig:
-    """The launcher's pick for ``rows`` token rows (a fixed table: graph-safe, no tuning)."""
+def default_config(rows: int, *, cublas: bool = True) -> HeadTileConfig:
+    """The launcher's pick for ``rows`` token rows (a fixed table: graph-safe, no tuning).
+
+    ``cublas=False`` where that route cannot run: a fused Markov bias, or a head whose
+    hidden or vocabulary size is not a multiple of 16 (see :func:`cublas_compatible`).
+    """
+    if cublas and rows >= CUBLAS_MIN_ROWS:
+        return _CUBLAS
     return next(cfg for max_rows, cfg in _DEFAULT_TABLE if rows <= max_rows)
+
+
+def cublas_compatible(head: Fp8RowwiseWeight) -> bool:
+    """cuBLAS's FP8 GEMM needs both matrix dimensions of the weight in multiples of 16."""
+    return head.hidden % 16 == 0 and head.vocab % 16 == 0
 
 
 def candidate_configs(rows: int) -> list[HeadTileConfig]:
     """The default first, then the alternatives the benchmark times for this row count."""
     base = default_config(rows)
     cfg = HeadTileConfig
-    if base.block_m <= 64:
+    if rows <= 64:
         m = base.block_m
         # Persistent programs per SM: as many as 228 KB of shared memory holds (sm_90 builds
         # of these tiles use 74/83/100 KB for FP8 and 66/83/117 KB for W8A16 at m = 16/32/64).
@@ -121,7 +138,7 @@ def candidate_configs(rows: int) -> list[HeadTileConfig]:
         ]
     else:
         extra = [
-            cfg(128, 128, 128, 8, 3, act_fp8=True, cublas=True),
+            default_config(rows, cublas=False),
             cfg(128, 128, 128, 8, 3, act_fp8=True),
             cfg(128, 256, 128, 8, 3, act_fp8=True, fast_accum=True, tma_ctas_per_sm=1),
             cfg(128, 256, 128, 8, 3, act_fp8=True, fast_accum=True),
@@ -543,13 +560,22 @@ def _check_inputs(x, head, markov_embed, markov_weight, vocab_limit) -> int:
     return limit
 
 
-def _check_config(config: HeadTileConfig, has_markov: bool) -> None:
+def _pick_config(
+    config: HeadTileConfig | None, rows: int, head: Fp8RowwiseWeight, has_markov: bool
+) -> HeadTileConfig:
+    """The given config, checked, or the default for this call."""
+    if config is None:
+        return default_config(rows, cublas=not has_markov and cublas_compatible(head))
     if config.cublas:
-        if has_markov or not config.act_fp8:
-            raise ValueError("the cuBLAS route is FP8 x FP8 without a Markov bias")
-        return
+        if has_markov or not config.act_fp8 or not cublas_compatible(head):
+            raise ValueError(
+                "the cuBLAS route is FP8 x FP8 without a Markov bias, for a head whose "
+                "dimensions are multiples of 16"
+            )
+        return config
     if config.block_v < MIN_BLOCK_V or config.block_m < 16 or config.block_k < 32:
         raise ValueError(f"tile too small for tl.dot / the workspace: {config}")
+    return config
 
 
 def _launch_tiles(
@@ -697,8 +723,7 @@ def fp8_head_logits(
         raise ValueError("out must be bf16 or fp32 with a contiguous last dimension")
     if out.shape[0] != rows or not limit <= out.shape[1] <= head.vocab:
         raise ValueError(f"out must be [{rows}, n] with {limit} <= n <= {head.vocab}")
-    config = config or default_config(rows)
-    _check_config(config, markov_embed is not None)
+    config = _pick_config(config, rows, head, markov_embed is not None)
     if rows == 0:
         return out
     workspace = _workspace_for(workspace, rows, head)
@@ -748,8 +773,7 @@ def fp8_head_argmax(
         or not out_value.is_contiguous()
     ):
         raise ValueError(f"out_value must be contiguous float32 of shape ({rows},)")
-    config = config or default_config(rows)
-    _check_config(config, markov_embed is not None)
+    config = _pick_config(config, rows, head, markov_embed is not None)
     if rows == 0:
         return out_index, out_value
     workspace = _workspace_for(workspace, rows, head)

@@ -6,7 +6,9 @@ the prefix survival ``s_k = prod_{j<=k} c_j`` estimates P(drafts 1..k all accept
 for k = 1..K in turn by a 1-D grid search that minimises the ECE of ``s_k`` against the
 observed survival, with ``T_1..T_{k-1}`` already fixed. Temperatures are positive, so
 every ``c_k`` keeps its ranking. Before STS, :func:`refit_confidence_head` can refit the
-linear head itself on verify steps (same form, so the plugin computes it unchanged).
+linear head itself on verify steps (same form, so the plugin computes it unchanged), and
+:func:`extend_with_draft_logprob` can add the draft's top-1 log-probability as one more
+input of that linear head.
 """
 
 from __future__ import annotations
@@ -174,3 +176,23 @@ def refit_confidence_head(
 
     optimizer.step(closure)
     return w.detach().numpy(), float(b.item())
+
+
+def extend_with_draft_logprob(
+    confidence_logits: np.ndarray,
+    draft_logprob: np.ndarray,
+    accepted: np.ndarray,
+    weight: np.ndarray,
+    bias: float,
+) -> tuple[np.ndarray, float]:
+    """The head ``[w ; b] . [x ; l] + c'`` that best combines the head's logit z and the
+    draft's top-1 log-probability l.
+
+    A logistic regression z' = a * z + b * l + c on the positions each verify step reached
+    (as :func:`refit_confidence_head`); since z = w . x + bias, the result is again one
+    linear layer over ``[x ; l]``: weight ``[a * w ; b]``, bias ``a * bias + c``.
+    z, l, accepted: [n, K]. Returns (weight [D + 1], bias).
+    """
+    inputs = np.stack([confidence_logits, draft_logprob], axis=-1)
+    (a, b), c = refit_confidence_head(inputs, accepted, np.array([1.0, 0.0]), 0.0, l2=0.0)
+    return np.append(a * np.asarray(weight, dtype=np.float64).reshape(-1), b), a * bias + c

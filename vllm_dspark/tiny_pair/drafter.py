@@ -14,7 +14,11 @@ speculator, so exported weights draft the same tokens there:
 * output ``j`` (after the final ``norm``) predicts the token at ``p + 1 + j``: base
   logits from the target's LM head plus the Markov bias ``markov_w2 @ markov_w1[prev]``,
   where ``prev`` is the anchor for ``j = 0`` and the previous draft token after that;
-* confidence ``c_j = sigmoid(confidence_head([h_j ; markov_w1[prev]]))``.
+* confidence ``c_j = sigmoid(confidence_head([h_j ; markov_w1[prev]]))``, or with
+  ``confidence_draft_logprob`` ``sigmoid(confidence_head([h_j ; markov_w1[prev] ; l_j]))``
+  where ``l_j`` is the top-1 log-probability of the draft distribution at ``j`` (Markov
+  bias included). ``l_j`` is a function of the distribution draft ``j`` is sampled from,
+  not of the sampled token, so a capacity decision on ``c_j`` stays lossless.
 
 Parameter names equal the names of the exported draft checkpoint. The target's embedding
 and LM head are not parameters of this module: they are passed in, frozen and shared, as
@@ -52,6 +56,12 @@ class DrafterConfig:
     markov_rank: int = 32
     # Position weights of the loss: exp(-(k-1)/loss_decay_gamma), k = 1..block_size.
     loss_decay_gamma: float = 4.0
+    # The confidence head also reads the draft's top-1 log-probability (one more input).
+    confidence_draft_logprob: bool = False
+
+    @property
+    def confidence_inputs(self) -> int:
+        return self.hidden_size + self.markov_rank + int(self.confidence_draft_logprob)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,8 +202,10 @@ class DraftProposal:
     tokens: torch.Tensor  # [batch, anchors, block] greedy draft tokens
     confidence_logits: torch.Tensor  # [batch, anchors, block] float32, before STS
     logits: torch.Tensor | None = field(default=None, repr=False)  # with the Markov bias
-    # [batch, anchors, block, hidden + markov_rank]: what the confidence head reads
+    # [batch, anchors, block, config.confidence_inputs]: what the confidence head reads
     confidence_inputs: torch.Tensor | None = field(default=None, repr=False)
+    # [batch, anchors, block] float32: top-1 log-probability of each draft distribution
+    draft_logprob: torch.Tensor | None = field(default=None, repr=False)
 
 
 def block_attention_mask(
@@ -229,7 +241,7 @@ class DSparkDrafter(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
-        self.confidence_head = nn.Linear(config.hidden_size + config.markov_rank, 1)
+        self.confidence_head = nn.Linear(config.confidence_inputs, 1)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -299,14 +311,25 @@ class DSparkDrafter(nn.Module):
         the Markov embedding (1: joint training as in the paper; 0: the head is a probe);
         the forward values are unchanged.
         """
-        markov = self.markov_embed(previous_tokens)
-        logits = base_logits + self.markov_head.markov_w2(markov)
-        confidence_input = torch.cat([hidden, markov], dim=-1)
+        logits, confidence_input = self._logits_and_confidence_input(
+            hidden, base_logits, previous_tokens
+        )
         if confidence_grad_scale != 1.0:
             detached = confidence_input.detach()
             confidence_input = detached + confidence_grad_scale * (confidence_input - detached)
         confidence_logits = self.confidence_head(confidence_input)
         return logits, confidence_logits.squeeze(-1).float()
+
+    def _logits_and_confidence_input(
+        self, hidden: torch.Tensor, base_logits: torch.Tensor, previous_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        markov = self.markov_embed(previous_tokens)
+        logits = base_logits + self.markov_head.markov_w2(markov)
+        parts = [hidden, markov]
+        if self.config.confidence_draft_logprob:
+            # A statistic of the draft distribution, read as a fixed input (no gradient).
+            parts.append(top1_logprob(logits.detach()).unsqueeze(-1).to(hidden.dtype))
+        return logits, torch.cat(parts, dim=-1)
 
     @torch.no_grad()
     def propose(
@@ -321,15 +344,17 @@ class DSparkDrafter(nn.Module):
         """Greedy sequential drafting, as vLLM's DSparkSpeculator._sample_sequential."""
         block = self.backbone(aux_hidden, anchor_positions, anchor_tokens, shared)
         previous = anchor_tokens
-        tokens, confidences, all_logits, inputs = [], [], [], []
+        tokens, confidences, all_logits, inputs, logprobs = [], [], [], [], []
         for j in range(self.config.block_size):
-            hidden = block.hidden[:, :, j]
+            logits, confidence_input = self._logits_and_confidence_input(
+                block.hidden[:, :, j], block.base_logits[:, :, j], previous
+            )
             if keep_confidence_inputs:
-                inputs.append(torch.cat([hidden, self.markov_embed(previous)], dim=-1).float())
-            logits, confidence = self.heads(hidden, block.base_logits[:, :, j], previous)
+                inputs.append(confidence_input.float())
+            confidences.append(self.confidence_head(confidence_input).squeeze(-1).float())
+            logprobs.append(top1_logprob(logits))
             previous = logits.argmax(dim=-1)
             tokens.append(previous)
-            confidences.append(confidence)
             if keep_logits:
                 all_logits.append(logits)
         return DraftProposal(
@@ -337,7 +362,14 @@ class DSparkDrafter(nn.Module):
             confidence_logits=torch.stack(confidences, dim=2),
             logits=torch.stack(all_logits, dim=2) if keep_logits else None,
             confidence_inputs=torch.stack(inputs, dim=2) if keep_confidence_inputs else None,
+            draft_logprob=torch.stack(logprobs, dim=2),
         )
+
+
+def top1_logprob(logits: torch.Tensor) -> torch.Tensor:
+    """log max_v softmax(logits)_v in float32. [..., V] -> [...]."""
+    logits = logits.float()
+    return logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)
 
 
 @dataclass

@@ -32,6 +32,8 @@ class EvalConfig:
     draft_batch: int = 16  # sequences per drafter pass (all their anchors at once)
     # Refit the linear confidence head on the calibration split's verify steps before STS.
     refit_confidence_head: bool = True
+    # Then add the draft's top-1 log-probability as an input of the head (refit too).
+    confidence_draft_logprob: bool = True
 
 
 @dataclass
@@ -41,6 +43,7 @@ class VerifyRecords:
     confidence_logits: np.ndarray  # [steps, K] float
     accepted: np.ndarray  # [steps, K] bool, draft k equals the target's token
     acceptance_lengths: np.ndarray  # [steps] 1 + accepted drafts
+    draft_logprob: np.ndarray  # [steps, K] top-1 log-probability of each draft distribution
     # [steps, K, hidden + markov_rank] float32: the confidence head's inputs, if kept
     confidence_inputs: np.ndarray | None = None
 
@@ -92,7 +95,7 @@ def simulate_verify_steps(
     # Anchor p is judged on the tokens at p+1..p+K, which must exist.
     anchors = torch.arange(prompt_len, seq_len - block_size, device=device)
     offsets = torch.arange(1, block_size + 1, device=device)
-    logits_rows, matches_rows, lengths, input_rows = [], [], [], []
+    logits_rows, matches_rows, lengths, input_rows, logprob_rows = [], [], [], [], []
     for start in progress_bar(iterable=range(0, len(sequences), draft_batch), desc="drafting"):
         seqs = sequences[start : start + draft_batch].to(device)
         batch_anchors = anchors.expand(len(seqs), -1)
@@ -108,6 +111,7 @@ def simulate_verify_steps(
         truth = seqs[:, anchors[:, None] + offsets]  # [b, A, K]
         matches = (proposal.tokens == truth).cpu().numpy()
         confidence = proposal.confidence_logits.cpu().numpy()
+        logprob = proposal.draft_logprob.cpu().numpy()
         inputs = proposal.confidence_inputs.cpu().numpy() if keep_confidence_inputs else None
         for b in range(len(seqs)):
             p = prompt_len
@@ -115,6 +119,7 @@ def simulate_verify_steps(
                 i = p - prompt_len
                 accepted = accepted_prefix_length(matches[b, i])
                 logits_rows.append(confidence[b, i])
+                logprob_rows.append(logprob[b, i])
                 matches_rows.append(matches[b, i])
                 lengths.append(accepted + 1)
                 if inputs is not None:
@@ -124,6 +129,7 @@ def simulate_verify_steps(
         confidence_logits=np.asarray(logits_rows, dtype=np.float64),
         accepted=np.asarray(matches_rows, dtype=bool),
         acceptance_lengths=np.asarray(lengths, dtype=np.int64),
+        draft_logprob=np.asarray(logprob_rows, dtype=np.float64),
         confidence_inputs=np.stack(input_rows) if input_rows else None,
     )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from transformers import Qwen3ForCausalLM
 from . import export as export_lib
 from .calibration import (
     calibration_report,
+    extend_with_draft_logprob,
     fit_sequential_temperature_scaling,
     refit_confidence_head,
 )
@@ -441,6 +443,38 @@ class Pipeline:
             log(f"phase {phase}: done in {time.monotonic() - started:.0f}s")
         return summaries
 
+    def seed_from_export(self, export_dir: Path) -> None:
+        """Take the target and drafter of an exported pair as the finished training phases,
+        so that ``evaluate`` and ``export`` recalibrate a shipped pair without retraining.
+
+        The corpus phase must have run here: its tokenizer must be the export's (the
+        held-out split and the prompts depend on it), which holds where the export was made
+        from the same interpreter's sources.
+        """
+        export_dir = Path(export_dir)
+        ours = json.loads(self.corpus_paths.tokenizer.read_text())["model"]
+        theirs = json.loads((export_dir / "target" / "tokenizer.json").read_text())["model"]
+        if ours != theirs:
+            raise ValueError(
+                f"the corpus built here tokenizes differently from {export_dir}: the export was "
+                "made from another interpreter's sources, so its held-out split cannot be rebuilt"
+            )
+        training = read_json(export_dir / "training.json")
+        target_dir = self.phase_dir("target") / "model"
+        target_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copyfile(export_dir / "target" / name, target_dir / name)
+        drafter, _ = export_lib.load_drafter_from_export(export_dir / "draft")
+        self.phase_dir("drafter").mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"config": drafter.config.to_dict(), "model": drafter.state_dict()},
+            self.phase_dir("drafter") / "drafter.pt",
+        )
+        seeded = {"seeded_from": str(export_dir)}
+        for phase in ("target", "drafter_data", "drafter"):
+            self.phase_dir(phase).mkdir(parents=True, exist_ok=True)
+            self.finish(phase, training[phase] | seeded)
+
     # -- shared pieces -------------------------------------------------------------------
 
     def special_ids(self) -> dict[str, int]:
@@ -693,22 +727,33 @@ class Pipeline:
         confidence head refitted by the evaluate phase if asked and present."""
         state = torch.load(self.phase_dir("drafter") / "drafter.pt", map_location="cpu")
         model_state = state["model"]
+        config = DrafterConfig(**state["config"])
         if with_refitted_head and self.refitted_head_path.exists():
             head = torch.load(self.refitted_head_path, map_location="cpu")
             model_state = model_state | {f"confidence_head.{k}": v for k, v in head.items()}
-        drafter = DSparkDrafter(DrafterConfig(**state["config"]))
+            # The refit may have added the draft log-probability input.
+            extra = head["weight"].shape[1] - config.hidden_size - config.markov_rank
+            config = dataclasses.replace(config, confidence_draft_logprob=extra == 1)
+        drafter = DSparkDrafter(config)
         drafter.load_state_dict(export_lib.round_like_export(model_state))
         return drafter.to(self.runtime.device).eval().requires_grad_(False)
 
     def refit_confidence_head(self, drafter: DSparkDrafter, records: VerifyRecords) -> dict:
-        """Refit the head on the calibration split; save it; recompute confidence logits."""
+        """Refit the head on the calibration split (and, if configured, add the draft's
+        top-1 log-probability as an input); save it. Returns weight [1, D] and bias [1]."""
         head = drafter.confidence_head
+        num_inputs = drafter.config.hidden_size + drafter.config.markov_rank
         weight, bias = refit_confidence_head(
-            records.confidence_inputs,
+            records.confidence_inputs[..., :num_inputs],
             records.accepted,
-            head.weight.detach().cpu().double().numpy(),
+            head.weight.detach().cpu().double().numpy()[:, :num_inputs],
             float(head.bias.item()),
         )
+        if self.config.eval.confidence_draft_logprob:
+            logits = records.confidence_inputs[..., :num_inputs] @ weight + bias
+            weight, bias = extend_with_draft_logprob(
+                logits, records.draft_logprob, records.accepted, weight, bias
+            )
         refitted = {
             "weight": torch.as_tensor(weight, dtype=torch.float32).reshape(1, -1),
             "bias": torch.as_tensor([bias], dtype=torch.float32),
@@ -750,12 +795,13 @@ class Pipeline:
         )
         if cfg.refit_confidence_head:
             head = self.refit_confidence_head(drafter, records["calibration"])
+            weight = head["weight"].double().numpy()[0]
             for split in records.values():
+                inputs = split.confidence_inputs
+                if len(weight) > inputs.shape[-1]:
+                    inputs = np.concatenate([inputs, split.draft_logprob[..., None]], axis=-1)
                 # In full precision: the plugin computes the head in float32.
-                split.confidence_logits = (
-                    split.confidence_inputs @ head["weight"].double().numpy()[0]
-                    + head["bias"].item()
-                )
+                split.confidence_logits = inputs @ weight + head["bias"].item()
                 split.confidence_inputs = None
         fit = fit_sequential_temperature_scaling(
             records["calibration"].confidence_logits, records["calibration"].accepted
@@ -784,6 +830,8 @@ class Pipeline:
                 "prompts_from": "held-out files (5% of the corpus by path hash)",
                 "precision": str(rt.inference_dtype).removeprefix("torch."),
                 "confidence_head_refitted_on_calibration_split": cfg.refit_confidence_head,
+                "confidence_head_reads_draft_logprob": cfg.refit_confidence_head
+                and cfg.confidence_draft_logprob,
             },
         }
         calibration = {
