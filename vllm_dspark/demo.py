@@ -9,9 +9,11 @@ and changes nothing that is verified).
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from importlib.resources import files
@@ -135,7 +137,14 @@ def run_demo(
         title = f"DSpark k={k}, embedded pair: acceptance length {spec.acceptance_length:.2f}"
         plot_acceptance(spec.per_position_acceptance, plot, title)
     if json_out:
+        from vllm.platforms import current_platform
+
         record = {
+            "command": " ".join(["vllm-dspark", *sys.argv[1:]]),
+            # A copy of the tree without .git (the GPU machine): the caller names the commit.
+            "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": current_platform.get_device_name(0),
             "num_prompts": len(prompts),
             "max_tokens": max_tokens,
             "k": k,

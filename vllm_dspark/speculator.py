@@ -128,7 +128,8 @@ class DSparkPluginSpeculator(DSparkSpeculator):
                     hidden[:, step], markov_embed, logits
                 )
             if self.draft_logits is None:
-                tokens = self.model.map_draft_to_target(logits.argmax(dim=-1))
+                index = self.heads.dspark_greedy(logits, hidden[:, step], markov_embed)
+                tokens = self.model.map_draft_to_target(index)
             else:
                 if self._d2t_scatter_index is not None:
                     # Sample in target vocabulary: scatter the reduced draft vocabulary.

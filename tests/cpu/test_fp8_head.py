@@ -211,6 +211,31 @@ def test_default_table_covers_all_rows_with_one_token_tile_up_to_64():
             assert c.block_m in (16, 32, 64, 128, 256)
 
 
+def test_rescored_argmax_recovers_the_bf16_choice_and_its_tie_order():
+    from vllm_dspark.head.rescore import rescored_argmax
+
+    g = torch.Generator().manual_seed(5)
+    rows, hidden, vocab, rank = 64, 32, 500, 4
+    x = torch.randn(rows, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g)
+    e = torch.randn(rows, rank, generator=g)
+    w2 = torch.randn(vocab, rank, generator=g)
+    exact = x @ w.T + e @ w2.T
+    # Approximate logits that misorder close candidates but keep the winner in the top 4.
+    approx = exact + 0.3 * torch.randn(rows, vocab, generator=g)
+    assert (approx.argmax(-1) != exact.argmax(-1)).any()
+    got = rescored_argmax(approx, x, w, e, w2)
+    assert torch.equal(got, exact.argmax(-1))
+    # A negative logit scale reverses the order the argmax reads.
+    assert torch.equal(rescored_argmax(-approx, x, w, e, w2, scale=-1.0), (-exact).argmax(-1))
+    # Exact ties go to the lowest index, as torch.argmax does, whatever the approximation.
+    w[7], w[3] = w[11], w[11]
+    tie_x = w[11:12] * 10
+    approx = torch.zeros(1, vocab)
+    approx[0, [11, 7, 3, 200]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    assert rescored_argmax(approx, tie_x, w).item() == 3
+
+
 def test_large_row_counts_go_to_cublas_where_it_applies():
     kernels = pytest.importorskip("vllm_dspark.head.fp8_head_kernel")
     assert not kernels.default_config(kernels.CUBLAS_MIN_ROWS - 1).cublas

@@ -2,8 +2,9 @@
 
 Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
 (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
-"max_tokens"}. Prints one JSON line: the token ids per prompt, the spec-decode counts,
-the run's tokens per second, and whether vllm-dspark's patches were applied.
+"max_tokens", optional "gpu_memory_utilization"}. Prints one JSON line: the token ids per
+prompt, the spec-decode counts, the run's tokens per second, and whether vllm-dspark's
+patches were applied.
 """
 
 import json
@@ -31,7 +32,7 @@ def main(spec: dict) -> None:
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=1024,
         max_num_seqs=64,
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative,

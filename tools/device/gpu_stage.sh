@@ -1,39 +1,64 @@
 #!/usr/bin/env bash
 # One stage of the project's GPU work on the device machine, results under $OUT.
 #   bash tools/device/gpu_stage.sh STAGE [COMMIT]
-# Stages: kernels (FP8 head tests + benchmark; no vLLM needed), foundation, pair (demo +
-# reference check + capacity losslessness), fp8e2e (Qwen3-8B shape, FP8 head on/off),
-# sps (SPS curve of the Qwen3-8B shape). vLLM stages expect the bundle parts stashed
-# (tools/device/bundle.sh). COMMIT names the tested commit in the JSON results.
+# Stages:
+#   kernels  FP8 head kernel tests + benchmark (no vLLM needed)
+#   recal    recalibrate the embedded pair's confidence head (tools/train_tiny_pair.py
+#            --from-export; no vLLM needed) into /tmp/recal_pair, packed into $OUT; later
+#            stages on the same machine run on it; plus the FP8 head's agreement on the
+#            pair's real hidden states
+#   pair     demo + reference check (vLLM)
+#   arms     budget capacity and FP8 head on the pair, against no speculation (vLLM)
+#   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
+#   sps      SPS curve of the Qwen3-8B shape (vLLM)
+# vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
+# tested commit in the JSON results.
 set -u
 stage=${1:?stage}
 export PYTHONUNBUFFERED=1 DSPARK_COMMIT=${2:-unknown} DSPARK_RESULTS_DIR=$OUT
+RECAL=/tmp/recal_pair
 vllm_env() {
   . tools/device/bundle.sh install >/dev/null || exit 1
   . tools/device/register_plugin.sh /tmp/vsite >/dev/null
 }
+use_recalibrated() {
+  # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
+  if [ -d "$RECAL/draft" ]; then
+    cp -r "$RECAL"/. vllm_dspark/data/tiny_pair/ && echo "using the recalibrated pair"
+  fi
+}
+quiet() { grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" ; }
 case "$stage" in
   kernels)
-    PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py -q -p no:cacheprovider 2>&1 | tail -15
-    PYTHONPATH=. timeout 330 python3 benchmarks/bench_fp8_draft_head.py --out "$OUT/fp8_head.json" 2>&1 | tail -30
+    PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py -q -p no:cacheprovider 2>&1 | tee "$OUT/fp8_head_gpu_tests.log" | tail -8
+    PYTHONPATH=. timeout 200 python3 benchmarks/bench_fp8_draft_head.py --out "$OUT/fp8_head.json" 2>&1 | tail -30
     ;;
-  foundation)
-    vllm_env
-    timeout 480 python3 -m pytest tests/gpu/test_foundation_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -15
+  recal)
+    rm -rf "$RECAL"
+    PYTHONPATH=. timeout 400 python3 tools/train_tiny_pair.py --work-dir /tmp/recal_work \
+      --from-export vllm_dspark/data/tiny_pair --export-dir "$RECAL" --pack "$OUT" \
+      > "$OUT/recalibration.log" 2>&1
+    echo "recal rc=$?"; grep "eval\|AUROC\|ECE\|acceptance\|temperatures\|done" "$OUT/recalibration.log" | tail -12
+    use_recalibrated
+    PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_pair_arms_gpu.py -k agrees -q -p no:cacheprovider -rA 2>&1 | tail -4
     ;;
   pair)
-    vllm_env
-    timeout 200 python3 -m vllm_dspark.cli demo --json "$OUT/demo.json" --plot "$OUT/tiny_pair_acceptance.png" > "$OUT/demo.log" 2>&1
-    echo "demo rc=$?"; grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" "$OUT/demo.log" | tail -15
-    timeout 330 python3 -m pytest tests/gpu/test_tiny_pair_gpu.py tests/gpu/test_capacity_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -20
+    vllm_env; use_recalibrated
+    timeout 300 python3 -m vllm_dspark.cli demo --json "$OUT/demo.json" --plot "$OUT/tiny_pair_acceptance.png" > "$OUT/demo.log" 2>&1
+    echo "demo rc=$?"; quiet < "$OUT/demo.log" | tail -15
+    timeout 280 python3 -m pytest tests/gpu/test_tiny_pair_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
+    ;;
+  arms)
+    vllm_env; use_recalibrated
+    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -12
     ;;
   fp8e2e)
     vllm_env
-    timeout 560 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms dspark,dspark-fp8 --concurrency 1,16 --out "$OUT/fp8_e2e.json" 2>&1 | grep -v "^INFO\|^WARNING" | tail -10
+    timeout 560 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms dspark,dspark-fp8 --concurrency 1,16 --out "$OUT/fp8_e2e.json" 2>&1 | quiet | tail -10
     ;;
   sps)
     vllm_env
-    timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --shape qwen3-8b --out "$OUT/sps_curve_qwen3_8b.json" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -40
+    timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --shape qwen3-8b --out "$OUT/sps_curve_qwen3_8b.json" 2>&1 | quiet | tail -40
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

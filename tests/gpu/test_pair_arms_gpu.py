@@ -1,0 +1,144 @@
+"""On a GPU, with the embedded pair: the plugin's options keep greedy outputs identical to
+no speculation, and do what they are for.
+
+- budget capacity with compact verification verifies fewer drafts;
+- the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
+  head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
+  acceptance length within 1% of the bf16 head's.
+
+Set DSPARK_RESULTS_DIR to also write ``fp8_pair.json`` there.
+"""
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from subprocess_probe import run_probe
+
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
+
+LLM_PROBE = Path(__file__).with_name("llm_probe.py")
+NUM_PROMPTS, MAX_TOKENS = 64, 128
+MIN_AGREEMENT, MAX_ACCEPTANCE_CHANGE = 0.995, 0.01
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
+]
+
+ARMS = {
+    "nospec": None,
+    "dspark": {},
+    "budget": {
+        "dspark_capacity": "budget",
+        "dspark_budget_frac": 0.5,
+        "dspark_varlen_verify": True,
+    },
+    "fp8": {"dspark_fp8_draft_head": True},
+}
+_results: dict = {}
+
+
+def _record(name: str, value) -> None:
+    """Collect a result; written to DSPARK_RESULTS_DIR/fp8_pair.json as tests finish."""
+    _results[name] = value
+    results_dir = os.environ.get("DSPARK_RESULTS_DIR")
+    if results_dir:
+        record = {
+            "command": "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_pair_arms_gpu.py",
+            "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(0),
+            "setup": f"embedded pair, {NUM_PROMPTS} held-out prompts, {MAX_TOKENS} tokens, "
+            "greedy, bf16, k=7",
+            **_results,
+        }
+        Path(results_dir, "fp8_pair.json").write_text(json.dumps(record, indent=2))
+
+
+@torch.no_grad()
+def test_fp8_draft_head_agrees_on_real_hidden_states():
+    """Draft argmax of (LM head + Markov bias) with the FP8 head against the bf16 head, on
+    the backbone outputs of greedy continuations of held-out prompts (no vLLM needed)."""
+    from vllm_dspark.head.fp8_head_kernel import fp8_head_logits
+    from vllm_dspark.head.fp8_rowwise import Fp8RowwiseWeight
+    from vllm_dspark.head.rescore import rescored_argmax
+    from vllm_dspark.tiny_pair.drafter import SharedTargetWeights
+    from vllm_dspark.tiny_pair.reference import load_reference_pair
+    from vllm_dspark.tiny_pair.target import generate_continuations, target_features
+
+    target, drafter, _ = load_reference_pair(EMBEDDED_PAIR, "cuda", torch.bfloat16)
+    prompts = torch.tensor(load_prompts(num_prompts=NUM_PROMPTS), device="cuda")
+    sequences = generate_continuations(target, prompts, MAX_TOKENS, greedy=True)
+    shared = SharedTargetWeights(target.model.embed_tokens.weight, target.lm_head.weight)
+    k = drafter.config.block_size
+    anchors = torch.arange(prompts.shape[1], sequences.shape[1] - k, device="cuda")
+    anchors = anchors.expand(len(sequences), -1)
+    # Each position's previous token: the anchor, then the target's own continuation.
+    offsets = torch.arange(k, device="cuda")
+    previous = sequences.gather(1, (anchors[:, :, None] + offsets).flatten(1)).flatten()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        features = target_features(target, sequences, drafter.config.target_layer_ids)
+        block = drafter.backbone(features.aux_hidden, anchors, sequences.gather(1, anchors), shared)
+        markov_embed = drafter.markov_embed(previous)
+    # [rows, H] bf16: what vLLM's draft head reads; the bias is added in bf16 as vLLM does.
+    hidden = block.hidden.flatten(0, 2).to(torch.bfloat16).contiguous()
+    markov_embed = markov_embed.to(torch.bfloat16)
+    markov_weight = drafter.markov_head.markov_w2.weight.to(torch.bfloat16)
+    bias = markov_embed @ markov_weight.T
+    lm_head = target.lm_head.weight.to(torch.bfloat16)
+    bf16 = (hidden @ lm_head.T + bias).argmax(-1)
+    fp8_logits = fp8_head_logits(hidden, Fp8RowwiseWeight.from_weight(lm_head)) + bias
+    fp8_argmax = (fp8_logits.argmax(-1) == bf16).float().mean().item()
+    rescored = rescored_argmax(fp8_logits, hidden, lm_head, markov_embed, markov_weight)
+    agreement = (rescored == bf16).float().mean().item()
+    _record(
+        "draft_argmax_agreement",
+        {"rescored": agreement, "fp8_argmax_alone": fp8_argmax, "rows": hidden.shape[0]},
+    )
+    assert agreement >= MIN_AGREEMENT
+
+
+@pytest.fixture(scope="module")
+def arms():
+    base = {
+        "target": str(EMBEDDED_PAIR / "target"),
+        "prompts": load_prompts(num_prompts=NUM_PROMPTS),
+        "max_tokens": MAX_TOKENS,
+        "gpu_memory_utilization": 0.1,
+    }
+    draft = str(EMBEDDED_PAIR / "draft")
+    results = {}
+    for name, options in ARMS.items():
+        spec = dict(base, draft=None if options is None else draft, options=options or {})
+        results[name] = run_probe(LLM_PROBE, json.dumps(spec))
+    return results
+
+
+def test_budget_capacity_is_lossless_and_verifies_less(arms):
+    assert arms["dspark"]["token_ids"] == arms["nospec"]["token_ids"]
+    assert arms["budget"]["token_ids"] == arms["nospec"]["token_ids"]
+    fixed, budget = arms["dspark"]["spec_decode"], arms["budget"]["spec_decode"]
+    _record("budget", {"fixed_k7": fixed, "budget_frac_0.5": budget})
+    # vLLM counts every scheduled draft; the accepted ones can only come from admitted ones.
+    assert 0 < budget["accepted_tokens"] <= fixed["accepted_tokens"]
+
+
+def test_fp8_draft_head_is_lossless_and_keeps_acceptance(arms):
+    bf16, fp8 = arms["dspark"], arms["fp8"]
+    change = fp8["acceptance_length"] / bf16["acceptance_length"] - 1
+    _record(
+        "end_to_end",
+        {
+            "greedy_identical_to_nospec": fp8["token_ids"] == arms["nospec"]["token_ids"],
+            "acceptance_length_bf16_head": bf16["acceptance_length"],
+            "acceptance_length_fp8_head": fp8["acceptance_length"],
+            "relative_change": change,
+            "tok_s": {name: arms[name]["tok_s"] for name in ("nospec", "dspark", "fp8")},
+        },
+    )
+    assert fp8["token_ids"] == arms["nospec"]["token_ids"]
+    assert abs(change) <= MAX_ACCEPTANCE_CHANGE
