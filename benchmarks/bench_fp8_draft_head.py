@@ -169,8 +169,14 @@ class Arms:
             out_index=self.index,
             out_value=self.value,
             workspace=self.workspace,
-            config=config or self.config,
+            config=config or self.default_for(markov_weight),
         )[0]
+
+    def default_for(self, markov_weight) -> kernels.HeadTileConfig:
+        # A fused Markov bias runs in the Triton tiles: the cuBLAS route has no epilogue.
+        if markov_weight is None:
+            return self.config
+        return kernels.default_config(self.x.shape[0], cublas=False)
 
     def agreement(self, reference, **kw) -> float:
         self.index.fill_(-7)

@@ -1,6 +1,6 @@
 """Run in a subprocess on a GPU: the drafts vLLM proposes right after a prompt.
 
-Takes one JSON argument {"target", "draft", "options", "prompts"}. For each prompt it
+Takes one JSON argument {"target", "draft", "options", "prompts", "dtype"}. For each prompt it
 generates one token greedily, so the speculator's last proposal is for the context
 ``prompt + [that token]``, and reads that proposal (and, with a confidence head, its
 confidence logits) out of the worker. Prints one JSON line.
@@ -26,7 +26,7 @@ def main(spec: dict) -> None:
     speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
     llm = LLM(
         model=spec["target"],
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=1024,
         max_num_seqs=8,
         gpu_memory_utilization=0.1,

@@ -114,7 +114,10 @@ def check_argmax(
     certified = certified_rows(ref, bound)
     assert ((index >= 0) & (index < limit)).all(), "unwritten row or masked column won"
     assert torch.equal(index[certified], ref_index[certified])
-    assert ((value.double() - ref_value.double()).abs() <= bound.amax(dim=1)).all()
+    value_bound = bound.amax(dim=1)
+    if config.cublas:  # cuBLAS writes bf16 logits: the value is rounded to 8 mantissa bits
+        value_bound = value_bound + ref_value.double().abs() * 2.0**-8
+    assert ((value.double() - ref_value.double()).abs() <= value_bound).all()
     if plan and not config.fast_accum:
         assert certified[list(plan)].all()
         assert index[list(plan)].tolist() == list(plan.values())

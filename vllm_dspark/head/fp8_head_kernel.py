@@ -658,8 +658,8 @@ def _launch_tiles(
         )
 
 
-def _cublas_logits(x, head, workspace) -> torch.Tensor:
-    """All ``[rows, vocab]`` bf16 logits through cuBLAS's rowwise-scaled FP8 GEMM."""
+def _cublas_logits(x, head, workspace, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """All ``[rows, vocab]`` logits through cuBLAS's rowwise-scaled FP8 GEMM."""
     rows = x.shape[0]
     x_q, x_scale = quantize_activations(
         x, out_q=workspace.x_q[:rows], out_scale=workspace.x_scale[:rows]
@@ -669,7 +669,7 @@ def _cublas_logits(x, head, workspace) -> torch.Tensor:
         head.weight.t(),
         scale_a=x_scale[:, None],
         scale_b=head.scale[None, :],
-        out_dtype=torch.bfloat16,
+        out_dtype=out_dtype,
     )
 
 
@@ -728,7 +728,7 @@ def fp8_head_logits(
         return out
     workspace = _workspace_for(workspace, rows, head)
     if config.cublas:
-        out[:, :limit].copy_(_cublas_logits(x, head, workspace)[:, :limit])
+        out[:, :limit].copy_(_cublas_logits(x, head, workspace, out.dtype)[:, :limit])
         out[:, limit:].fill_(float("-inf"))
         return out
     _launch_tiles(
@@ -749,7 +749,8 @@ def fp8_head_argmax(
     workspace: HeadWorkspace | None = None,
     config: HeadTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy draft tokens: ``(index int64 [rows], max logit fp32 [rows])``, no logits written.
+    """Greedy draft tokens: ``(index int64 [rows], max logit fp32 [rows])`` (the value rounded
+    to bf16 on the cuBLAS route), no [rows, vocab] logits written by the Triton tiles.
 
     Ties go to the lowest index; a row with a NaN or infinite logit gives (-1, NaN). Indices
     are local to ``head`` (a tensor-parallel caller adds its shard offset and keeps the
@@ -781,8 +782,8 @@ def fp8_head_argmax(
         logits = _cublas_logits(x, head, workspace)[:, :limit]
         index = logits.argmax(dim=-1)  # the first maximum: ties go to the lowest index
         value = logits.gather(1, index[:, None]).squeeze(1).float()
-        # A NaN row's argmax lands on a NaN, an infinite one on +inf; -inf elsewhere in a
-        # row is not looked for on this route.
+        # The value is the bf16 logit (8 mantissa bits). A NaN row's argmax lands on a
+        # NaN, an infinite one on +inf; -inf elsewhere in a row is not looked for here.
         bad = ~torch.isfinite(value)
         out_index.copy_(torch.where(bad, -1, index))
         out_value.copy_(torch.where(bad, float("nan"), value))
