@@ -349,9 +349,7 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
 
 
 # Options declared for the issues still to come; each leaves this set when it ships.
-NOT_IMPLEMENTED = frozenset({"sps_curve", "online_sts", "dynamic_depth"})
-# Capacity modes likewise.
-CAPACITY_IMPLEMENTED = ("off", "budget")
+NOT_IMPLEMENTED = frozenset({"online_sts", "dynamic_depth"})
 
 
 def check_implemented(options: DSparkOptions) -> None:
@@ -360,8 +358,12 @@ def check_implemented(options: DSparkOptions) -> None:
     missing = [
         f"{KEY_PREFIX}{name}" for name in sorted(set(options.non_default()) & NOT_IMPLEMENTED)
     ]
-    if options.capacity not in CAPACITY_IMPLEMENTED:
-        missing.insert(0, f"{KEY_PREFIX}capacity={options.capacity!r}")
+    if options.capacity == "sps" and options.sps_curve == "auto":
+        missing.insert(
+            0,
+            f"{KEY_PREFIX}sps_curve='auto' (start-up profiling; pass a curve, e.g. the JSON "
+            "benchmarks/profile_dspark_sps_curve.py writes)",
+        )
     if missing:
         raise DSparkOptionError(
             f"vllm-dspark: {', '.join(missing)} not implemented in this version ({__version__})."

@@ -58,7 +58,6 @@ def run_doctor(out=print) -> bool:
     """Print the report; return whether this machine can run DSpark."""
     from vllm_dspark import SUPPORTED_VLLM_VERSION, __version__
     from vllm_dspark.config import (
-        CAPACITY_IMPLEMENTED,
         ENV_PREFIX,
         KEY_PREFIX,
         NOT_IMPLEMENTED,
@@ -83,8 +82,8 @@ def run_doctor(out=print) -> bool:
     out("Options (--speculative-config key / environment variable, default):")
     for name, field in DSparkOptions.model_fields.items():
         state = "not implemented yet" if name in NOT_IMPLEMENTED else "available"
-        if name == "capacity":
-            state = f"available: {', '.join(CAPACITY_IMPLEMENTED)}"
+        if name == "sps_curve":
+            state = "available as a list or file ('auto' profiling not implemented yet)"
         summary = " ".join(field.description.split()).split(". ")[0].rstrip(".")
         out(f"  {KEY_PREFIX}{name} / {ENV_PREFIX}{name.upper()}  default {field.default!r}")
         out(f"      {summary}.")

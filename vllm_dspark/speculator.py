@@ -15,9 +15,17 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-from vllm_dspark.capacity.allocation import admission_budget, budget_capacity, prefix_survival
+from vllm_dspark.capacity.allocation import (
+    admission_budget,
+    budget_capacity,
+    prefix_survival,
+    sps_best_count,
+    sps_table_from_curve,
+    threshold_count,
+)
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
+from vllm_dspark.capacity.stale_budget import StaleBudget
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
 
@@ -37,7 +45,16 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         # Per request slot: the survival of the drafts it waits to have verified.
         self.slot_survival = torch.ones(shape, dtype=torch.float32, device=device)
         # Read by patches/compact_verification.py.
-        self.controls_capacity = options.capacity == "budget"
+        self.controls_capacity = options.capacity != "off"
+        # threshold and sps: the budget comes from an earlier proposal (stale_budget.py).
+        self.stale_budget = None
+        if options.capacity in ("threshold", "sps"):
+            cap = options.budget_frac * self.num_speculative_steps
+            self.stale_budget = StaleBudget(device, cap)
+        self.sps_table = None
+        if options.capacity == "sps":
+            max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
+            self.sps_table = sps_table_from_curve(options.sps_curve, max_tokens).to(device)
         self.drafts_proposed = 0  # in compacted steps, for the admitted share
         self.drafts_admitted = 0
         if self.controls_capacity:
@@ -76,8 +93,17 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         drafts = super().propose(*args, **kwargs)
         if self.confidence is not None and real_step:
-            self.slot_survival[slots] = self.survival[: input_batch.num_reqs]
+            survival = self.survival[: input_batch.num_reqs]
+            self.slot_survival[slots] = survival
+            if self.stale_budget is not None:
+                self.stale_budget.record(self.wanted_drafts(survival), input_batch.num_reqs)
         return drafts
+
+    def wanted_drafts(self, survival: torch.Tensor) -> torch.Tensor:
+        """How many of these proposals' drafts the mode would verify (device scalar)."""
+        if self.options.capacity == "threshold":
+            return threshold_count(survival, self.options.confidence_threshold)
+        return sps_best_count(survival, self.sps_table)
 
     def set_attn(
         self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
@@ -89,8 +115,14 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             _check_compaction_backends(target_attn_groups)
 
     def admission_budget(self, num_reqs: int) -> int:
-        """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
-        return admission_budget(num_reqs, self.num_speculative_steps, self.options.budget_frac)
+        """How many drafts a decode step of ``num_reqs`` requests verifies (host-known):
+        ceil(R*K*budget_frac), or less where an earlier proposal wanted less."""
+        cap = admission_budget(num_reqs, self.num_speculative_steps, self.options.budget_frac)
+        if self.stale_budget is None:
+            return cap
+        wanted = round(self.stale_budget.per_request() * num_reqs)
+        # At least one draft: a compacted step always has drafts to verify.
+        return max(1, min(cap, wanted))
 
     def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
         """k_r of each request: the ``budget`` best slots by proposal-time survival."""

@@ -6,9 +6,9 @@ import torch
 from vllm_dspark.capacity.allocation import (
     budget_capacity,
     prefix_survival,
-    sps_capacity,
+    sps_best_count,
     sps_table_from_curve,
-    threshold_capacity,
+    threshold_count,
 )
 from vllm_dspark.capacity.reference import Admission, ToyPair, first_tokens
 
@@ -17,11 +17,16 @@ BATCHES = 5000  # x REQS requests = 20,000 samples per mode
 SPS = sps_table_from_curve([(1, 100.0), (8, 96.0), (12, 70.0), (20, 30.0)], 64)
 
 MODES = {
-    "off": Admission("off"),
-    "threshold": Admission("threshold", threshold=0.3),
-    "budget": Admission("budget", budget_frac=0.4),
-    "sps": Admission("sps", sps_table=SPS),
+    "off": dict(mode="off"),
+    "threshold": dict(mode="threshold", threshold=0.3),
+    "budget": dict(mode="budget", budget_frac=0.4),
+    "sps": dict(mode="sps", sps_table=SPS),
 }
+
+
+def admission(mode: str, **overrides) -> Admission:
+    """A fresh admission (threshold and sps keep state across steps)."""
+    return Admission(**(MODES[mode] | overrides))
 
 
 def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> float:
@@ -45,7 +50,7 @@ def two_token_samples(admission: Admission, seed: int) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("mode", MODES)
 def test_output_distribution_matches_target(mode):
-    samples, joint = two_token_samples(MODES[mode], seed=11)
+    samples, joint = two_token_samples(admission(mode), seed=11)
     assert samples.numel() == 20_000
     assert chi_square_p_value(samples.flatten(), joint) > 0.01
 
@@ -61,7 +66,7 @@ def test_deciding_on_the_current_drafts_confidence_is_caught():
 def test_greedy_output_equals_target_greedy(mode):
     pair = ToyPair.random(VOCAB, seed=5)
     start = torch.arange(VOCAB).repeat(8, 1)[:, :REQS]
-    tokens = first_tokens(pair, start, 12, DRAFTS, MODES[mode], torch.Generator(), greedy=True)
+    tokens = first_tokens(pair, start, 12, DRAFTS, admission(mode), torch.Generator(), greedy=True)
     expected, prev = [], start
     for _ in range(12):
         prev = pair.target_probs(prev).argmax(dim=-1)
@@ -80,8 +85,9 @@ def test_survival_is_a_cumulative_product_with_temperatures():
 SURVIVAL = torch.tensor([[0.9, 0.8, 0.1, 0.05], [0.95, 0.3, 0.2, 0.1], [0.5, 0.5, 0.5, 0.4]])
 
 
-def test_threshold_counts_the_prefix_above_it():
-    assert threshold_capacity(SURVIVAL, 0.5).tolist() == [2, 1, 3]
+def test_threshold_counts_the_slots_above_it():
+    assert threshold_count(SURVIVAL, 0.5).item() == 2 + 1 + 3
+    assert threshold_count(SURVIVAL.expand(2, 3, 4), 0.5).tolist() == [6, 6]
 
 
 def test_budget_admits_the_best_slots_as_prefixes():
@@ -92,13 +98,27 @@ def test_budget_admits_the_best_slots_as_prefixes():
     assert budget_capacity(SURVIVAL.expand(2, 3, 4), 5).tolist() == [[2, 1, 2]] * 2
 
 
-def test_sps_stops_at_the_first_drop_of_expected_throughput():
+def test_sps_count_maximises_expected_throughput():
     flat_then_cliff = sps_table_from_curve([(1, 100.0), (5, 100.0), (6, 10.0), (64, 10.0)], 64)
     # R = 3, so up to 2 admitted slots keep T <= 5 at full speed; the third costs 10x.
-    assert sps_capacity(SURVIVAL, flat_then_cliff, budget=12).sum().item() == 2
+    assert sps_best_count(SURVIVAL, flat_then_cliff).item() == 2
     steady = sps_table_from_curve([(1, 100.0), (64, 100.0)], 64)
-    assert sps_capacity(SURVIVAL, steady, budget=12).tolist() == [4, 4, 4]
-    assert sps_capacity(SURVIVAL, steady, budget=3).tolist() == [2, 1, 0]
+    assert sps_best_count(SURVIVAL, steady).item() == 12
+    # A dip then a recovery: the full scan finds the later, higher maximum.
+    dip = sps_table_from_curve([(1, 100.0), (4, 100.0), (5, 60.0), (14, 100.0), (64, 100.0)], 64)
+    assert sps_best_count(SURVIVAL, dip).item() == 12
+    assert sps_best_count(SURVIVAL.expand(2, 3, 4), flat_then_cliff).tolist() == [2, 2]
+
+
+def test_stale_modes_take_their_budget_from_the_previous_step():
+    threshold = admission("threshold", threshold=0.5)
+    first = threshold.capacity(SURVIVAL[None])  # no history: the full cap, R * K
+    assert first.tolist() == [[4, 4, 4]]
+    # The previous proposals wanted 6 slots (above 0.5); these get the 6 best.
+    lower = SURVIVAL[None] * 0.5
+    assert threshold.capacity(lower).sum().item() == 6
+    # ...and these lower ones wanted none: at least one slot is still verified.
+    assert threshold.capacity(lower).sum().item() == 1
 
 
 def test_sps_table_interpolates_and_holds_its_ends():
@@ -116,5 +136,7 @@ def test_modes_really_vary_the_verified_depth(mode):
         conf.append(pair.confidence_logits[prev])
         prev = torch.multinomial(pair.draft_probs(prev).view(-1, VOCAB), 1).view(prev.shape)
     survival = prefix_survival(torch.stack(conf, dim=-1), torch.ones(DRAFTS))
-    depths = MODES[mode].capacity(survival).unique()
+    mode_admission = admission(mode)
+    mode_admission.capacity(survival)  # the stale modes' first step has no history
+    depths = mode_admission.capacity(survival).unique()
     assert len(depths) >= 3 and depths.max() >= 2

@@ -8,26 +8,32 @@ import torch
 K = 7
 
 
-@pytest.fixture
-def speculator(engine_config, model_dirs):
+def build_speculator(engine_config, model_dirs, **options):
     from vllm.config import set_current_vllm_config
 
+    from vllm_dspark.config import DSparkOptions
     from vllm_dspark.speculator import DSparkPluginSpeculator
 
-    options = {
-        "dspark_capacity": "budget",
-        "dspark_budget_frac": 0.25,
-        "dspark_varlen_verify": True,
-    }
     config = engine_config(
-        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K, **options}
+        {
+            "method": "dspark",
+            "model": model_dirs["dspark"],
+            "num_speculative_tokens": K,
+            "dspark_varlen_verify": True,
+            **options,
+        }
     )
-    from vllm_dspark.config import DSparkOptions
-
     with set_current_vllm_config(config):
         return DSparkPluginSpeculator(
             config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
         )
+
+
+@pytest.fixture
+def speculator(engine_config, model_dirs):
+    return build_speculator(
+        engine_config, model_dirs, dspark_capacity="budget", dspark_budget_frac=0.25
+    )
 
 
 def uniform_batch(num_reqs, computed):
@@ -99,3 +105,44 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     both = {"a": 1 + K, "b": 1 + K}
     assert _step_budget(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
     assert _step_budget(runner, scheduler_output({}, {})) is None
+
+
+def test_stale_budget_reads_the_proposal_before_the_last():
+    from vllm_dspark.capacity.stale_budget import StaleBudget
+
+    stale = StaleBudget(torch.device("cpu"), initial_per_request=3.5)
+    assert stale.per_request() == 3.5
+    stale.record(torch.tensor(8), num_reqs=4)  # proposal 0
+    assert stale.per_request() == 3.5  # proposal 0's drafts are the ones being verified
+    stale.record(torch.tensor(30), num_reqs=10)  # proposal 1
+    assert stale.per_request() == 2.0  # proposal 0: 8 / 4
+    stale.record(torch.tensor(0), num_reqs=5)  # proposal 2
+    assert stale.per_request() == 3.0  # proposal 1: 30 / 10
+
+
+@pytest.mark.parametrize(
+    "options,wanted",
+    [
+        # Survivals [0.9, 0.8, 0.6, 0.3, ...] per request: 3 slots each reach 0.5.
+        ({"dspark_capacity": "threshold", "dspark_confidence_threshold": 0.5}, 3),
+        # SPS flat up to 2 tokens per request, then a cliff: 1 draft per request.
+        (
+            {
+                "dspark_capacity": "sps",
+                "dspark_sps_curve": [[1, 100.0], [8, 100.0], [9, 10.0], [64, 10.0]],
+            },
+            1,
+        ),
+    ],
+)
+def test_threshold_and_sps_budgets_follow_the_previous_proposal(
+    engine_config, model_dirs, options, wanted
+):
+    speculator = build_speculator(engine_config, model_dirs, **options)
+    survival = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.01]).repeat(4, 1)
+    # Before two proposals: the cap, R * K (budget_frac 1).
+    assert speculator.admission_budget(4) == 4 * K
+    for _ in range(2):
+        speculator.stale_budget.record(speculator.wanted_drafts(survival), num_reqs=4)
+    assert speculator.admission_budget(4) == 4 * wanted
+    assert speculator.admission_budget(8) == 8 * wanted  # scaled to the batch

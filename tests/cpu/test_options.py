@@ -202,9 +202,16 @@ BAD_INPUTS = [
     (
         "not implemented",
         "dspark",
+        {"dspark_capacity": "sps", "dspark_varlen_verify": True},
+        {},
+        ["dspark_sps_curve='auto'", "pass a curve", "not implemented in this version"],
+    ),
+    (
+        "capacity without compaction",
+        "dspark",
         {"dspark_capacity": "threshold"},
         {},
-        ["dspark_capacity='threshold' not implemented in this version"],
+        ["dspark_capacity='threshold' needs dspark_varlen_verify=true"],
     ),
     (
         "dash spelling",

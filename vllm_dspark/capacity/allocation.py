@@ -12,33 +12,40 @@ drafts chosen *before* the drafts are looked at. It breaks when the decision to 
 draft k depends on draft k itself (DSpark paper, Appendix A): stopping whenever the
 sampled token looks unlikely removes exactly those tokens from the accepted mass.
 DSpark's confidence for position k reads the backbone state h_k, which depends on no
-draft, and the Markov embedding of the *previous* draft x_{k-1}, so c(r, k) and s(r, k)
-depend only on drafts before k. A mode is lossless when "verify draft k of request r"
-depends only on s(r, 1..k) and on other requests, never on s(r, j) for j > k (those
-read x_k):
+draft, and the Markov embedding of the *previous* draft x_{k-1} (and, for the embedded
+pair, the top-1 probability of the distribution x_k is drawn from, not x_k), so c(r, k)
+and s(r, k) depend only on drafts before k.
 
-- ``threshold``: k_r = #{k : s(r, k) >= t}; s is non-increasing, so draft k is
-  verified iff s(r, k) >= t. Causal per position.
-- ``budget``: the B = ceil(R * K * frac) highest-survival slots of the batch. Slots are
-  ranked by survival with ties broken by (request, position), so request r's later
-  slots never rank above its slot k; slot (r, k) is admitted iff fewer than B slots of
-  *other* requests or earlier positions rank above it. Other requests' drafts are
-  independent of r's, so the decision for (r, k) reads nothing of x_k. Each request
-  keeps a contiguous prefix because s is non-increasing.
-- ``sps``: admit slots in that same order while the expected throughput
-  (R + sum of admitted survivals) * SPS(R + admitted) keeps rising, and stop at its
-  first drop. Scanning every count and keeping the global maximum would be better
-  for speed but not lossless: whether the maximum lies past slot (r, k) depends on
-  the survivals of r's later slots, which read x_k. The first-drop stop decides
-  about the n-th slot from the first n slots only, and those never include r's
-  positions after k when the n-th slot is (r, k).
+Every mode is one allocation with a budget B: the B highest-survival (request, position)
+slots of the batch are verified (:func:`budget_capacity`). Slots are ranked by survival
+with ties broken by (request, position), so request r's later slots never rank above its
+slot k; slot (r, k) is admitted iff fewer than B slots of *other* requests or earlier
+positions rank above it. Other requests' drafts are independent of r's, so the decision
+for (r, k) reads nothing of x_k, and each request keeps a contiguous prefix because s is
+non-increasing. The modes differ only in where B comes from, and B must not read the
+drafts it admits:
+
+- ``budget``: B = ceil(R * K * budget_frac), from the batch size alone;
+- ``threshold``: B = the number of slots whose survival was at least the threshold
+  (:func:`threshold_count`) in the *previous* proposal, scaled to the batch size;
+- ``sps``: B = the count that maximised the expected tokens per second
+  (R + sum of the admitted survivals) * SPS(R + admitted) in the previous proposal
+  (:func:`sps_best_count`, a full scan), scaled likewise.
+
+Taking B from the previous proposal is DSpark's production scheme (budget from stale
+confidences, allocation by current ones). It is also what vLLM needs: the number of
+verified tokens, R + B, must be known on the host before the step (it picks the CUDA
+graph and sizes the batch), and the previous proposal's count reaches the host through a
+non-blocking copy (:mod:`vllm_dspark.capacity.stale_budget`) instead of a sync per step.
+Deciding B from the *current* survivals would need that sync and, for ``sps``, an early
+stop at the first drop of expected throughput to stay lossless.
 
 ``tests/cpu/test_capacity_reference.py`` checks each mode against the target's own
 distribution with a chi-square test, and checks that a mode that looks at the current
 draft's own confidence fails the same test.
 
-All functions are plain tensor code without host synchronisation, so they run
-inside a captured CUDA graph; the budget B and the SPS table live on the device.
+All functions are plain tensor code without host synchronisation; the SPS table lives
+on the device.
 """
 
 from __future__ import annotations
@@ -51,11 +58,6 @@ import torch
 def prefix_survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """s(r, k) = prod_{j<=k} sigmoid(z(r, j) / T_j), in fp32. [R, K] -> [R, K]."""
     return torch.cumprod(torch.sigmoid(confidence_logits.float() / temperatures), dim=-1)
-
-
-def threshold_capacity(survival: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The longest prefix whose survival is at least ``threshold``. [..., R, K] -> [..., R]."""
-    return (survival >= threshold).sum(dim=-1)
 
 
 def admission_budget(num_reqs: int, num_drafts: int, budget_frac: float) -> int:
@@ -84,31 +86,29 @@ def _admit_best(ranks: torch.Tensor, count: torch.Tensor | int, shape: torch.Siz
     return (ranks < count).view(shape).sum(dim=-1)
 
 
-def budget_capacity(survival: torch.Tensor, budget: int) -> torch.Tensor:
-    """Global greedy admission of the ``budget`` highest-survival slots of each batch.
-    [..., R, K] -> [..., R]."""
+def budget_capacity(survival: torch.Tensor, budget: int | torch.Tensor) -> torch.Tensor:
+    """Global greedy admission of the ``budget`` highest-survival slots of each batch
+    (``budget``: one for all, or one per batch). [..., R, K] -> [..., R]."""
     _, ranks = _ranked(survival)
     return _admit_best(ranks, budget, survival.shape)
 
 
-def sps_capacity(survival: torch.Tensor, sps_table: torch.Tensor, budget: int) -> torch.Tensor:
-    """Admit slots in survival order while expected tokens/s rises; stop at its first drop.
+def threshold_count(survival: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Slots whose survival is at least ``threshold``: the budget ``threshold`` asks for.
+    [..., R, K] -> [...] int64."""
+    return (survival >= threshold).sum(dim=(-2, -1))
 
-    ``sps_table[T]`` is the target's steps per second at T tokens per step, for T up to
-    at least R + budget. At most ``budget`` slots are admitted. [..., R, K] -> [..., R].
-    """
+
+def sps_best_count(survival: torch.Tensor, sps_table: torch.Tensor) -> torch.Tensor:
+    """The admission count n in 0..R*K maximising (R + sum of the n best survivals) *
+    SPS(R + n): the budget ``sps`` asks for. ``sps_table[T]`` covers T up to R * (1 + K).
+    [..., R, K] -> [...] int64."""
     num_reqs = survival.shape[-2]
-    ordered, ranks = _ranked(survival)
-    gains = ordered[..., :budget]
-    zero = gains.new_zeros(gains.shape[:-1] + (1,))
-    # expected[n]: tokens per step with the n best slots admitted, n = 0..budget.
-    expected = num_reqs + torch.cat([zero, torch.cumsum(gains, dim=-1)], dim=-1)
-    counts = torch.arange(budget + 1, device=survival.device)
-    throughput = expected * sps_table[num_reqs + counts]
-    # A drop at n (admitting slot n+1 lowers throughput) keeps n slots; no drop keeps all.
-    drops = throughput[..., 1:] < throughput[..., :-1]
-    keep = torch.where(drops, counts[:-1], budget).amin(dim=-1)
-    return _admit_best(ranks, keep, survival.shape)
+    ordered = survival.flatten(-2).sort(dim=-1, descending=True).values
+    zero = ordered.new_zeros(ordered.shape[:-1] + (1,))
+    expected = num_reqs + torch.cat([zero, torch.cumsum(ordered, dim=-1)], dim=-1)
+    counts = torch.arange(expected.shape[-1], device=survival.device)
+    return (expected * sps_table[num_reqs + counts]).argmax(dim=-1)
 
 
 def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ the output distribution with the target's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -18,8 +18,8 @@ from vllm_dspark.capacity.allocation import (
     admission_budget,
     budget_capacity,
     prefix_survival,
-    sps_capacity,
-    threshold_capacity,
+    sps_best_count,
+    threshold_count,
 )
 
 Mode = Literal["off", "threshold", "budget", "sps"]
@@ -48,25 +48,36 @@ class ToyPair:
 
 @dataclass
 class Admission:
+    """A capacity mode as served: ``threshold`` and ``sps`` take their budget from the
+    previous step's proposals of the same batch (stateful across steps)."""
+
     mode: Mode = "off"
     threshold: float = 0.5
     budget_frac: float = 1.0
     sps_table: torch.Tensor | None = None
     # Test-only: a wrong scheme whose confidence reads the draft it decides about.
     leak_current_draft: bool = False
+    # Per batch: drafts per request the previous step's proposals wanted.
+    _wanted_per_request: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def capacity(self, survival: torch.Tensor) -> torch.Tensor:
         """k_r for every request of every batch. [B, R, K] -> [B, R]."""
         num_reqs, num_drafts = survival.shape[-2:]
-        budget = admission_budget(num_reqs, num_drafts, self.budget_frac)
+        cap = admission_budget(num_reqs, num_drafts, self.budget_frac)
         if self.mode == "off":
             return torch.full(survival.shape[:-1], num_drafts, dtype=torch.int64)
-        if self.mode == "threshold":
-            return threshold_capacity(survival, self.threshold)
         if self.mode == "budget":
-            return budget_capacity(survival, budget)
-        assert self.sps_table is not None, "sps needs a table"
-        return sps_capacity(survival, self.sps_table, budget)
+            return budget_capacity(survival, cap)
+        budget = torch.full(survival.shape[:-2], cap, dtype=torch.int64)
+        if self._wanted_per_request is not None:
+            budget = (self._wanted_per_request * num_reqs).round().long().clamp(1, cap)
+        if self.mode == "threshold":
+            wanted = threshold_count(survival, self.threshold)
+        else:
+            assert self.sps_table is not None, "sps needs a table"
+            wanted = sps_best_count(survival, self.sps_table)
+        self._wanted_per_request = wanted.double() / num_reqs
+        return budget_capacity(survival, budget)
 
 
 def _sample(probs: torch.Tensor, gen: torch.Generator, greedy: bool) -> torch.Tensor:

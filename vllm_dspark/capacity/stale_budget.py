@@ -1,0 +1,48 @@
+"""The admission budget of a step, taken from an earlier proposal without a host sync.
+
+Each real proposal ends with the number of drafts its mode wants verified (a device
+scalar: slots above the threshold, or the SPS-optimal count), copied to pinned host memory
+with ``non_blocking=True`` and marked by a CUDA event. The host reads it when it plans a
+later step: the step that verifies proposal p reads the record of proposal p - 1, whose
+drafts were sampled, and verified, before those of p. So the budget is a function of the
+past only, which keeps the allocation lossless (see :mod:`vllm_dspark.capacity.allocation`),
+and nothing waits: if that copy has not landed yet, the last value read is kept.
+
+The count is kept per request, so a batch that grew or shrank since gets a budget in
+proportion to its size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaleBudget:
+    def __init__(self, device: torch.device, initial_per_request: float):
+        cuda = device.type == "cuda"
+        # Two records, (wanted count, requests), written alternately by proposals.
+        self._records = torch.zeros(2, 2, dtype=torch.float32, pin_memory=cuda)
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._proposals = 0
+        self._per_request = initial_per_request
+
+    def record(self, wanted: torch.Tensor, num_reqs: int) -> None:
+        """After a real proposal of ``num_reqs`` requests: its wanted count (device scalar)."""
+        slot = self._proposals % 2
+        self._records[slot, 0].copy_(wanted, non_blocking=True)
+        self._records[slot, 1] = num_reqs
+        event = self._events[slot]
+        if event is not None:
+            event.record()
+        self._proposals += 1
+
+    def per_request(self) -> float:
+        """Wanted drafts per request of the proposal before the last one, if it has landed;
+        else the last value read (at first, the initial one)."""
+        if self._proposals >= 2:
+            slot = (self._proposals - 2) % 2
+            event = self._events[slot]
+            if event is None or event.query():
+                count, num_reqs = self._records[slot].tolist()
+                self._per_request = count / max(num_reqs, 1.0)
+        return self._per_request
