@@ -1,7 +1,8 @@
 """On a GPU, with the embedded pair: the plugin's options keep greedy outputs identical to
 no speculation, and do what they are for.
 
-- budget capacity with compact verification verifies fewer drafts;
+- every capacity mode with compact verification (budget, threshold, sps with a made-up
+  curve) keeps greedy outputs identical to no speculation;
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's.
@@ -36,6 +37,17 @@ ARMS = {
         "dspark_capacity": "budget",
         "dspark_budget_frac": 0.5,
         "dspark_varlen_verify": True,
+    },
+    "threshold": {
+        "dspark_capacity": "threshold",
+        "dspark_confidence_threshold": 0.3,
+        "dspark_varlen_verify": True,
+    },
+    "sps": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        # Not this pair's curve: one whose optimum moves with the load, to exercise the mode.
+        "dspark_sps_curve": [[1, 1000.0], [128, 900.0], [512, 400.0], [2048, 120.0]],
     },
     "fp8": {"dspark_fp8_draft_head": True},
 }
@@ -118,13 +130,16 @@ def arms():
     return results
 
 
-def test_budget_capacity_is_lossless_and_verifies_less(arms):
+@pytest.mark.parametrize("mode", ["budget", "threshold", "sps"])
+def test_capacity_modes_are_lossless(arms, mode):
     assert arms["dspark"]["token_ids"] == arms["nospec"]["token_ids"]
-    assert arms["budget"]["token_ids"] == arms["nospec"]["token_ids"]
-    fixed, budget = arms["dspark"]["spec_decode"], arms["budget"]["spec_decode"]
-    _record("budget", {"fixed_k7": fixed, "budget_frac_0.5": budget})
-    # vLLM counts every scheduled draft; the accepted ones can only come from admitted ones.
-    assert 0 < budget["accepted_tokens"] <= fixed["accepted_tokens"]
+    fixed, capped = arms["dspark"]["spec_decode"], arms[mode]["spec_decode"]
+    _record(f"capacity_{mode}", {"options": ARMS[mode], "fixed_k7": fixed, mode: capped})
+    assert arms[mode]["token_ids"] == arms["nospec"]["token_ids"]
+    # vLLM counts every scheduled draft; accepted ones can only come from admitted ones,
+    # and fewer verified drafts mean fewer accepted per step.
+    assert 0 < capped["accepted_tokens"] / capped["drafts"]
+    assert capped["accepted_tokens"] / capped["drafts"] < fixed["accepted_tokens"] / fixed["drafts"]
 
 
 def test_fp8_draft_head_is_lossless_and_keeps_acceptance(arms):
