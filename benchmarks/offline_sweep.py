@@ -6,9 +6,12 @@
 Each arm runs in a fresh process (`LLM()`, greedy, EOS ignored). For each concurrency
 c it submits c prompts of --prompt-len tokens at once, --output-len tokens each, after
 a warm-up, and reports output tokens per second and the spec-decode counters of the
-run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance
-(``--rates``: per-position unconditional acceptance); ``--pair embedded`` the trained
-pair with real verification.
+run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived from
+``--rates`` (per-position unconditional acceptance): ``--acceptance rates`` is vLLM's own
+(one fixed rate per position), ``--acceptance confidence`` draws per-draft confidences
+around the same conditional rates and accepts each draft with its confidence
+(``dspark_synthetic_confidence``: what capacity control needs). ``--pair embedded`` uses
+the trained pair with real verification.
 """
 
 from __future__ import annotations
@@ -34,7 +37,28 @@ ARMS = {
     "dspark": {},
     "dspark-fp8": {"dspark_fp8_draft_head": True},
     "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
+    # vLLM's Dynamic SD: k by batch size (inclusive ranges).
+    "dynamic-sd": {
+        "num_speculative_tokens_per_batch_size": [[1, 16, 7], [17, 64, 3], [65, 4096, 1]]
+    },
+    "budget": {
+        "dspark_capacity": "budget",
+        "dspark_budget_frac": 0.5,
+        "dspark_varlen_verify": True,
+    },
+    "threshold": {
+        "dspark_capacity": "threshold",
+        "dspark_confidence_threshold": 0.5,
+        "dspark_varlen_verify": True,
+    },
+    # dspark_sps_curve comes from --sps-curve.
+    "sps": {"dspark_capacity": "sps", "dspark_varlen_verify": True},
 }
+
+
+def conditional_rates(unconditional: list[float]) -> list[float]:
+    """P(draft k accepted | drafts before it were) from P(drafts 1..k accepted)."""
+    return [u / (unconditional[k - 1] if k else 1.0) for k, u in enumerate(unconditional)]
 
 
 def run_arm_here(spec: dict) -> None:
@@ -48,10 +72,13 @@ def run_arm_here(spec: dict) -> None:
         speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
         if spec["dummy"]:
             rates = [float(r) for r in spec["rates"].split(",")][:7]
-            speculative |= {
-                "rejection_sample_method": "synthetic",
-                "synthetic_acceptance_rates": rates,
-            }
+            if spec["acceptance"] == "confidence":
+                speculative["dspark_synthetic_confidence"] = conditional_rates(rates)
+            else:
+                speculative |= {
+                    "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rates": rates,
+                }
         speculative |= spec["options"]
     llm = LLM(
         model=spec["target"],
@@ -110,6 +137,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rates", default=DEFAULT_RATES)
+    parser.add_argument("--acceptance", choices=["rates", "confidence"], default="rates")
+    parser.add_argument("--sps-curve", help="curve JSON for the sps arm")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -125,10 +154,16 @@ def main() -> int:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()))
     rows = []
     for arm in args.arms.split(","):
+        options = ARMS[arm]
+        if arm == "sps":
+            if not args.sps_curve:
+                parser.error("the sps arm needs --sps-curve")
+            options = options | {"dspark_sps_curve": str(Path(args.sps_curve).resolve())}
         spec = {
             **paths,
             "dummy": args.pair != "embedded",
-            "options": ARMS[arm],
+            "acceptance": args.acceptance,
+            "options": options,
             "rates": args.rates,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
@@ -145,7 +180,8 @@ def main() -> int:
             return done.returncode
         for line in done.stdout.splitlines():
             if line.startswith("ROW "):
-                rows.append({"setup": args.pair, "arm": arm, **json.loads(line[4:])})
+                setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
+                rows.append({"setup": setup, "arm": arm, **json.loads(line[4:])})
                 print(json.dumps(rows[-1]), flush=True)
     import torch
 

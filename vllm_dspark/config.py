@@ -127,6 +127,17 @@ class DSparkOptions(BaseModel):
     fp8_markov_head: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Also use rowwise FP8 for the DSpark Markov head's vocabulary projection."""
 
+    synthetic_confidence: list[Annotated[float, Field(gt=0.0, lt=1.0)]] | None = Field(
+        None,
+        json_schema_extra=_valid(
+            "a JSON list of numbers in (0, 1), one per draft position (benchmarks only)"
+        ),
+    )
+    """Benchmarks with dummy weights only: instead of a confidence head and real
+    verification, draw each draft's confidence c = sigmoid(logit(m_k) + N(0, 1)) around
+    the per-position median m_k of this list, and accept the draft with probability c
+    (given its prefix was accepted), so confidence is calibrated by construction."""
+
     @field_validator("sps_curve", mode="before")
     @classmethod
     def _load_curve(cls, value: Any) -> Any:
@@ -186,7 +197,12 @@ class DSparkOptions(BaseModel):
     @property
     def needs_confidence(self) -> bool:
         """Whether drafting must run the checkpoint's confidence head."""
-        return self.capacity in CONFIDENCE_MODES or self.confidence_metrics or self.online_sts
+        return (
+            self.capacity in CONFIDENCE_MODES
+            or self.confidence_metrics
+            or self.online_sts
+            or self.synthetic_confidence is not None
+        )
 
     @property
     def active(self) -> bool:
@@ -328,7 +344,13 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
     # Every capacity mode so far ranks drafts by confidence, which DFlash lacks.
     dspark_only = [
         name
-        for name in ("capacity", "confidence_metrics", "online_sts", "fp8_markov_head")
+        for name in (
+            "capacity",
+            "confidence_metrics",
+            "online_sts",
+            "fp8_markov_head",
+            "synthetic_confidence",
+        )
         if name in options.non_default()
     ]
     if method != "dspark" and dspark_only:
@@ -338,6 +360,19 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             f"'dspark' (a drafter with a confidence/Markov head); got method={method!r}. "
             f"Valid with {method}: {KEY_PREFIX}capacity=off."
         )
+    if options.synthetic_confidence is not None:
+        if getattr(speculative_config, "rejection_sample_method", None) == "synthetic":
+            raise DSparkOptionError(
+                f"vllm-dspark: {KEY_PREFIX}synthetic_confidence replaces vLLM's synthetic "
+                "acceptance; drop rejection_sample_method='synthetic' (valid: 'standard')."
+            )
+        if len(options.synthetic_confidence) < speculative_config.num_speculative_tokens:
+            raise DSparkOptionError(
+                f"vllm-dspark: {KEY_PREFIX}synthetic_confidence has "
+                f"{len(options.synthetic_confidence)} values; num_speculative_tokens="
+                f"{speculative_config.num_speculative_tokens} needs one per draft position."
+            )
+        return  # no confidence head is read
     if options.needs_confidence and not _draft_has_confidence_head(speculative_config):
         name = next(n for n in ("capacity", "confidence_metrics", "online_sts") if n in dspark_only)
         raise DSparkOptionError(

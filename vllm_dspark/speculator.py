@@ -26,6 +26,7 @@ from vllm_dspark.capacity.allocation import (
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
 from vllm_dspark.capacity.stale_budget import StaleBudget
+from vllm_dspark.capacity.synthetic import SyntheticConfidence
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
 
@@ -37,6 +38,7 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         super().__init__(vllm_config, device)
         self.options = options
         self.confidence: ConfidenceHead | None = None
+        self.synthetic: SyntheticConfidence | None = None
         self.calibration: CalibrationStats | None = None
         shape = (self.max_num_reqs, self.num_speculative_steps)
         # Per batch row of the last proposal: confidence logits and prefix survival.
@@ -44,6 +46,11 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         self.survival = torch.ones(shape, dtype=torch.float32, device=device)
         # Per request slot: the survival of the drafts it waits to have verified.
         self.slot_survival = torch.ones(shape, dtype=torch.float32, device=device)
+        if options.synthetic_confidence is not None:
+            self.synthetic = SyntheticConfidence(
+                options.synthetic_confidence[: self.num_speculative_steps], device
+            )
+            self.temperatures = torch.ones(self.num_speculative_steps, device=device)
         # Read by patches/compact_verification.py.
         self.controls_capacity = options.capacity != "off"
         # threshold and sps: the budget comes from an earlier proposal (stale_budget.py).
@@ -64,7 +71,7 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         model = super().load_draft_model(target_model, target_attn_layer_names)
         # After loading, so the LM head is the target's, shared (DSpark aliases it).
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
-        if self.options.needs_confidence:
+        if self.options.needs_confidence and self.synthetic is None:
             checkpoint = self.draft_model_config.model
             rank = model.model.markov_head.markov_w1.weight.shape[1]
             self.confidence = ConfidenceHead.from_checkpoint(
@@ -92,12 +99,16 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             num_accepted = (call["num_sampled"] - 1).clamp_(min=0)
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         drafts = super().propose(*args, **kwargs)
-        if self.confidence is not None and real_step:
+        if self.has_confidence and real_step:
             survival = self.survival[: input_batch.num_reqs]
             self.slot_survival[slots] = survival
             if self.stale_budget is not None:
                 self.stale_budget.record(self.wanted_drafts(survival), input_batch.num_reqs)
         return drafts
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.confidence is not None or self.synthetic is not None
 
     def wanted_drafts(self, survival: torch.Tensor) -> torch.Tensor:
         """How many of these proposals' drafts the mode would verify (device scalar)."""
@@ -182,7 +193,9 @@ class DSparkPluginSpeculator(DSparkSpeculator):
                 )
             self.draft_tokens[:num_reqs, step] = tokens
             previous = tokens
-        if self.confidence is not None:
+        if self.synthetic is not None:
+            self.confidence_logits[:num_reqs] = self.synthetic.draw(num_reqs)
+        if self.has_confidence:
             self.survival[:num_reqs] = prefix_survival(
                 self.confidence_logits[:num_reqs], self.temperatures
             )

@@ -54,3 +54,33 @@ def test_arms_files_are_valid_json_with_valid_options(tmp_path):
                 resolve_options(
                     {k: v for k, v in spec.items() if k.startswith("dspark_")}, arm.get("env", {})
                 )
+
+
+def test_offline_sweep_arms_build_engine_configs(engine_config, model_dirs, tmp_path):
+    """Every arm of the capacity sweep is a config vLLM and the plugin accept, with the
+    calibrated synthetic acceptance of the dummy-weight setup."""
+    import offline_sweep
+
+    rates = [float(r) for r in offline_sweep.DEFAULT_RATES.split(",")]
+    conditional = offline_sweep.conditional_rates(rates)
+    assert conditional[0] == rates[0]
+    assert conditional[3] == rates[3] / rates[2]
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"curve": [[1, 100.0], [64, 90.0], [512, 30.0]]}))
+    for arm, options in offline_sweep.ARMS.items():
+        if options is None:
+            continue
+        if arm == "sps":
+            options = options | {"dspark_sps_curve": str(curve)}
+        if "dspark_fp8_draft_head" in options:
+            continue  # checked against the GPU when the draft loads
+        config = engine_config(
+            {
+                "method": "dspark",
+                "model": model_dirs["dspark_no_confidence"],
+                "num_speculative_tokens": 7,
+                "dspark_synthetic_confidence": conditional,
+                **options,
+            }
+        )
+        assert config.speculative_config.num_speculative_tokens == 7, arm

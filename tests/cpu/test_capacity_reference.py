@@ -140,3 +140,32 @@ def test_modes_really_vary_the_verified_depth(mode):
     mode_admission.capacity(survival)  # the stale modes' first step has no history
     depths = mode_admission.capacity(survival).unique()
     assert len(depths) >= 3 and depths.max() >= 2
+
+
+def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
+    from vllm_dspark.capacity.synthetic import (
+        SyntheticConfidence,
+        accepted_lengths,
+        conditional_confidence,
+    )
+
+    torch.manual_seed(0)
+    medians = [0.8, 0.6, 0.5, 0.4]
+    logits = SyntheticConfidence(medians, torch.device("cpu")).draw(100_000)
+    survival = prefix_survival(logits, torch.ones(4))
+    confidence = conditional_confidence(survival)
+    torch.testing.assert_close(confidence, torch.sigmoid(logits))
+    assert torch.sigmoid(logits).median(dim=0).values.tolist() == pytest.approx(medians, abs=0.01)
+    uniform = torch.rand(confidence.shape)
+    lengths = accepted_lengths(confidence, torch.full((100_000,), 4), uniform)
+    # Calibrated by construction: the accepted share of drafts reaching position k equals
+    # the mean confidence there.
+    for k in range(4):
+        reached = lengths >= k
+        accepted = (lengths[reached] > k).double().mean()
+        assert accepted.item() == pytest.approx(confidence[reached, k].mean().item(), abs=0.01)
+    # Only verified drafts can be accepted, and only as a prefix.
+    sure = torch.ones(3, 4)
+    assert accepted_lengths(sure, torch.tensor([0, 2, 4]), torch.zeros(3, 4)).tolist() == [0, 2, 4]
+    gap = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    assert accepted_lengths(gap, torch.tensor([4]), torch.full((1, 4), 0.5)).tolist() == [1]

@@ -146,3 +146,25 @@ def test_threshold_and_sps_budgets_follow_the_previous_proposal(
         speculator.stale_budget.record(speculator.wanted_drafts(survival), num_reqs=4)
     assert speculator.admission_budget(4) == 4 * wanted
     assert speculator.admission_budget(8) == 8 * wanted  # scaled to the batch
+
+
+def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
+    from vllm_dspark.patches import calibrated_synthetic
+
+    def all_accepted(*args, **kwargs):
+        cu_num_logits, rates = args[3], args[11]
+        assert rates.tolist() == [1.0] * K  # vLLM's kernel accepts every verified draft
+        num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
+        return "sampled", (num_verified + 1).to(torch.int32)
+
+    speculator = SimpleNamespace(slot_survival=torch.zeros(4, K))
+    speculator.slot_survival[1] = 1.0  # slot 1: every draft sure to pass
+    speculator.slot_survival[3, :2] = 1.0  # slot 3: two sure drafts, then none
+    calibrated_synthetic._speculator = lambda: speculator
+    wrapped = calibrated_synthetic._make_wrapper(all_accepted)
+    cu = torch.tensor([0, 8, 12, 13])  # requests of slots 1, 3, 0: 7, 3 and 0 drafts
+    args = [None, None, None, cu, None, torch.tensor([1, 3, 0]), None, None, None, None, K]
+    sampled, num_sampled = wrapped(*args, None, use_fp64=False)
+    assert sampled == "sampled"
+    assert num_sampled.tolist() == [8, 3, 1] and num_sampled.dtype == torch.int32
+    calibrated_synthetic._speculator = None

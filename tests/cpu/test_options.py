@@ -207,6 +207,31 @@ BAD_INPUTS = [
         ["dspark_sps_curve='auto'", "pass a curve", "not implemented in this version"],
     ),
     (
+        "synthetic confidence out of range",
+        "dspark",
+        {"dspark_synthetic_confidence": [0.8, 1.2]},
+        {},
+        ["dspark_synthetic_confidence", "(0, 1)"],
+    ),
+    (
+        "synthetic confidence too short",
+        "dspark",
+        {"dspark_synthetic_confidence": [0.8, 0.7]},
+        {},
+        ["dspark_synthetic_confidence has 2 values", "num_speculative_tokens=7"],
+    ),
+    (
+        "synthetic confidence over vLLM's synthetic acceptance",
+        "dspark",
+        {
+            "dspark_synthetic_confidence": [0.8] * K,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.5] * K,
+        },
+        {},
+        ["replaces vLLM's synthetic acceptance", "'standard'"],
+    ),
+    (
         "capacity without compaction",
         "dspark",
         {"dspark_capacity": "threshold"},
@@ -318,3 +343,17 @@ def test_options_are_carried_in_the_engine_config(engine_config, model_dirs):
     # The caller's dict is not consumed: the same options give the same config again.
     assert "dspark_capacity" in speculative
     assert engine_config(speculative).compute_hash() == config.compute_hash()
+
+
+def test_synthetic_confidence_stands_in_for_a_confidence_head(engine_config, model_dirs):
+    config = engine_config(
+        spec(
+            model_dirs,
+            "dspark_no_confidence",
+            dspark_synthetic_confidence=[0.8] * K,
+            dspark_capacity="budget",
+            dspark_varlen_verify=True,
+        )
+    )
+    options = DSparkOptions.from_vllm_config(config)
+    assert options.synthetic_confidence == [0.8] * K and options.needs_confidence

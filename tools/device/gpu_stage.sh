@@ -10,7 +10,11 @@
 #   pair     demo + reference check (vLLM)
 #   arms     budget capacity and FP8 head on the pair, against no speculation (vLLM)
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
-#   sps      SPS curve of the Qwen3-8B shape (vLLM)
+#   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
+#   capacity-fixed / capacity-controlled
+#            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence:
+#            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps (vLLM; one call
+#            each, ~3 engines of ~150 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
 # tested commit in the JSON results.
 set -u
@@ -59,6 +63,15 @@ case "$stage" in
   sps)
     vllm_env
     timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --shape qwen3-8b --out "$OUT/sps_curve_qwen3_8b.json" 2>&1 | quiet | tail -40
+    cp "$OUT/sps_curve_qwen3_8b.json" /tmp/sps_curve_qwen3_8b.json
+    ;;
+  capacity-fixed|capacity-controlled)
+    vllm_env
+    arms=nospec,dspark,dynamic-sd
+    [ "$stage" = capacity-controlled ] && arms=budget,threshold,sps
+    timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
+      --arms "$arms" --concurrency 1,16,64,256 --sps-curve /tmp/sps_curve_qwen3_8b.json \
+      --out "$OUT/$stage.json" 2>&1 | quiet | tail -14
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

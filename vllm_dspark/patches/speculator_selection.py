@@ -37,6 +37,10 @@ def _make_wrapper(init_speculator):
             from vllm_dspark.patches import compact_verification
 
             compact_verification.apply()
+        if getattr(speculator, "synthetic", None) is not None:
+            from vllm_dspark.patches import calibrated_synthetic
+
+            calibrated_synthetic.apply(speculator)
         return speculator
 
     return init_speculator_with_dspark

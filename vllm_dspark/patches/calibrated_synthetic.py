@@ -1,0 +1,94 @@
+"""Accept drafts with their own synthetic confidence (benchmarks with dummy weights).
+
+What: wraps ``rejection_sample`` as bound in ``vllm.v1.worker.gpu.spec_decode.
+rejection_sampler``. vLLM's kernel runs in its synthetic mode with every rate at 1 (each
+verified draft accepted, the sampled tensor laid out as usual); then each request's
+accepted count is cut where a uniform draw first reaches above the draft's confidence
+(:func:`vllm_dspark.capacity.synthetic.accepted_lengths`), from the confidences the
+speculator drew for the drafts being verified.
+Why: vLLM 0.26.0's synthetic acceptance has one rate per position, so a capacity
+controller cannot be measured with dummy weights; this makes acceptance follow
+per-draft confidences that are calibrated by construction.
+Upstream: none (a benchmark device).
+Remove when: never needed outside benchmarks; it is applied only with
+``dspark_synthetic_confidence``, by :mod:`vllm_dspark.patches.speculator_selection`.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+from vllm_dspark.capacity.synthetic import accepted_lengths, conditional_confidence
+from vllm_dspark.patches.wrapping import wrap
+
+SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+_speculator: weakref.ref | None = None
+
+
+def _make_wrapper(rejection_sample):
+    def rejection_sample_with_synthetic_confidence(
+        target_logits,
+        draft_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_idx_mapping,
+        expanded_local_pos,
+        temperature,
+        seed,
+        num_speculative_steps,
+        synthetic_conditional_rates=None,
+        **kwargs,
+    ):
+        speculator = _speculator() if _speculator is not None else None
+        if speculator is None:
+            return rejection_sample(
+                target_logits,
+                draft_logits,
+                draft_sampled,
+                cu_num_logits,
+                pos,
+                idx_mapping,
+                expanded_idx_mapping,
+                expanded_local_pos,
+                temperature,
+                seed,
+                num_speculative_steps,
+                synthetic_conditional_rates,
+                **kwargs,
+            )
+        accept_all = torch.ones(num_speculative_steps, device=cu_num_logits.device)
+        sampled, num_sampled = rejection_sample(
+            target_logits,
+            draft_logits,
+            draft_sampled,
+            cu_num_logits,
+            pos,
+            idx_mapping,
+            expanded_idx_mapping,
+            expanded_local_pos,
+            temperature,
+            seed,
+            num_speculative_steps,
+            accept_all,
+            **kwargs,
+        )
+        num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
+        confidence = conditional_confidence(speculator.slot_survival[idx_mapping.long()])
+        uniform = torch.rand(confidence.shape, device=confidence.device)
+        lengths = accepted_lengths(confidence, num_verified, uniform)
+        return sampled, torch.minimum(num_sampled, (lengths + 1).to(num_sampled.dtype))
+
+    return rejection_sample_with_synthetic_confidence
+
+
+def apply(speculator) -> None:
+    """Route acceptance through ``speculator``'s synthetic confidences (this process)."""
+    global _speculator
+    _speculator = weakref.ref(speculator)
+    __import__(SAMPLER_MODULE)
+    wrap(sys.modules[SAMPLER_MODULE], "rejection_sample", _make_wrapper)
