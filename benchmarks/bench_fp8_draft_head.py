@@ -333,7 +333,6 @@ def print_table(result: dict) -> None:
             else (
                 f"{best['block_v']}x{best['block_m']}x{best['block_k']} w{best['num_warps']}"
                 f" s{best['num_stages']} {'fp8' if best['act_fp8'] else 'w8a16'}"
-                f"{' fast' if best['fast_accum'] else ''}"
             )
         )
         print(
