@@ -1,12 +1,15 @@
-"""The admission budget of a step, taken from an earlier proposal without a host sync.
+"""The admission budget of a step, taken from an earlier proposal without stalling the GPU.
 
 Each real proposal ends with the number of drafts its mode wants verified (a device
 scalar: slots above the threshold, or the SPS-optimal count), copied to pinned host memory
 with ``non_blocking=True`` and marked by a CUDA event. The host reads it when it plans a
 later step: the step that verifies proposal p reads the record of proposal p - 1, whose
 drafts were sampled, and verified, before those of p. So the budget is a function of the
-past only, which keeps the allocation lossless (see :mod:`vllm_dspark.capacity.allocation`),
-and nothing waits: if that copy has not landed yet, the last value read is kept.
+past only, which keeps the allocation lossless (see :mod:`vllm_dspark.capacity.allocation`).
+The read waits on that record's event: the step that made it finished before the host,
+at most one step ahead of the GPU, plans this one, so the wait is for work already done,
+and every tensor-parallel rank reads the same value (a read that fell back to an older
+value when a copy was late would let ranks pick different batch sizes and hang).
 
 The count is kept per request, so a batch that grew or shrank since gets a budget in
 proportion to its size.
@@ -37,12 +40,13 @@ class StaleBudget:
         self._proposals += 1
 
     def per_request(self) -> float:
-        """Wanted drafts per request of the proposal before the last one, if it has landed;
-        else the last value read (at first, the initial one)."""
+        """Wanted drafts per request of the proposal before the last one (at first, the
+        initial value)."""
         if self._proposals >= 2:
             slot = (self._proposals - 2) % 2
             event = self._events[slot]
-            if event is None or event.query():
-                count, num_reqs = self._records[slot].tolist()
-                self._per_request = count / max(num_reqs, 1.0)
+            if event is not None:
+                event.synchronize()
+            count, num_reqs = self._records[slot].tolist()
+            self._per_request = count / max(num_reqs, 1.0)
         return self._per_request
