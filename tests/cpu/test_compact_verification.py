@@ -151,9 +151,23 @@ def test_threshold_and_sps_budgets_follow_the_previous_proposal(
 def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
     from vllm_dspark.patches import calibrated_synthetic
 
-    def all_accepted(*args, **kwargs):
-        cu_num_logits, rates = args[3], args[11]
-        assert rates.tolist() == [1.0] * K  # vLLM's kernel accepts every verified draft
+    def all_accepted(
+        target_logits,
+        draft_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_idx_mapping,
+        expanded_local_pos,
+        temperature,
+        seed,
+        num_speculative_steps,
+        synthetic_conditional_rates=None,
+        use_fp64=False,
+    ):
+        # vLLM's kernel accepts every verified draft.
+        assert synthetic_conditional_rates.tolist() == [1.0] * K
         num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
         return "sampled", (num_verified + 1).to(torch.int32)
 

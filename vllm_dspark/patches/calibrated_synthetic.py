@@ -16,6 +16,7 @@ Remove when: never needed outside benchmarks; it is applied only with
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 
@@ -29,56 +30,22 @@ _speculator: weakref.ref | None = None
 
 
 def _make_wrapper(rejection_sample):
-    def rejection_sample_with_synthetic_confidence(
-        target_logits,
-        draft_logits,
-        draft_sampled,
-        cu_num_logits,
-        pos,
-        idx_mapping,
-        expanded_idx_mapping,
-        expanded_local_pos,
-        temperature,
-        seed,
-        num_speculative_steps,
-        synthetic_conditional_rates=None,
-        **kwargs,
-    ):
+    signature = inspect.signature(rejection_sample)
+
+    def rejection_sample_with_synthetic_confidence(*args, **kwargs):
         speculator = _speculator() if _speculator is not None else None
         if speculator is None:
-            return rejection_sample(
-                target_logits,
-                draft_logits,
-                draft_sampled,
-                cu_num_logits,
-                pos,
-                idx_mapping,
-                expanded_idx_mapping,
-                expanded_local_pos,
-                temperature,
-                seed,
-                num_speculative_steps,
-                synthetic_conditional_rates,
-                **kwargs,
-            )
-        accept_all = torch.ones(num_speculative_steps, device=cu_num_logits.device)
-        sampled, num_sampled = rejection_sample(
-            target_logits,
-            draft_logits,
-            draft_sampled,
-            cu_num_logits,
-            pos,
-            idx_mapping,
-            expanded_idx_mapping,
-            expanded_local_pos,
-            temperature,
-            seed,
-            num_speculative_steps,
-            accept_all,
-            **kwargs,
+            return rejection_sample(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        cu_num_logits = call.arguments["cu_num_logits"]
+        num_drafts = call.arguments["num_speculative_steps"]
+        call.arguments["synthetic_conditional_rates"] = torch.ones(
+            num_drafts, device=cu_num_logits.device
         )
+        sampled, num_sampled = rejection_sample(*call.args, **call.kwargs)
         num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
-        confidence = conditional_confidence(speculator.slot_survival[idx_mapping.long()])
+        slots = call.arguments["idx_mapping"].long()
+        confidence = conditional_confidence(speculator.slot_survival[slots])
         uniform = torch.rand(confidence.shape, device=confidence.device)
         lengths = accepted_lengths(confidence, num_verified, uniform)
         return sampled, torch.minimum(num_sampled, (lengths + 1).to(num_sampled.dtype))
