@@ -67,3 +67,28 @@ def test_counts_do_not_depend_on_batch_order():
 )
 def test_binned_auroc(pos, neg, expected):
     assert _binned_auroc(torch.tensor(pos).double(), torch.tensor(neg).double()) == expected
+
+
+def test_ece_and_auroc_follow_the_trainers_definitions():
+    """Same ECE (15 equal-width bins) as the trainer's STS objective; AUROC within the
+    tie error of 150 bins of the exact one."""
+    import numpy as np
+
+    from vllm_dspark.tiny_pair.calibration import auroc, expected_calibration_error
+
+    gen = torch.Generator().manual_seed(3)
+    survival = random_survival(20_000, gen)
+    stats = CalibrationStats(K, torch.device("cpu"))
+    conditional = survival / torch.cat([torch.ones(20_000, 1), survival[:, :-1]], 1)
+    accepted_each = torch.rand(conditional.shape, generator=gen) < conditional**2
+    num_accepted = torch.cumprod(accepted_each.long(), dim=1).sum(dim=1)
+    stats.observe(survival, torch.full((20_000,), K), num_accepted)
+    prefix = stats.summary()["prefix"]
+    events = (torch.arange(K) < num_accepted[:, None]).numpy()
+    for k in range(K):
+        scores = survival[:, k].double().numpy()
+        assert prefix.ece[k] == pytest.approx(
+            expected_calibration_error(scores, events[:, k]), abs=1e-6
+        )
+        assert prefix.auroc[k] == pytest.approx(auroc(scores, events[:, k]), abs=0.005)
+    assert np.isfinite(prefix.ece).all()

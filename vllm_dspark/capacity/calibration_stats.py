@@ -15,7 +15,9 @@ Two statistics, both free of censoring bias:
 - prefix: requests whose K drafts were all verified: predicted s(r, k) against
   "drafts 1..k all accepted" (the quantity capacity control ranks by).
 
-:meth:`CalibrationStats.summary` turns the counts into per-position ECE and AUROC.
+:meth:`CalibrationStats.summary` turns the counts into per-position ECE and AUROC: ECE
+over the usual 15 equal-width bins (the definition the trainer's STS minimises), AUROC over
+150 finer bins so that few pairs are ties.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 
 # Predictions are summed in fixed point, so that sums are exact and order-independent.
 FIXED_POINT = 1 << 20
+ECE_BINS = 15
+FINE_BINS = 10 * ECE_BINS  # the histogram's bins: AUROC reads them, ECE merges them by 10
 
 
 @dataclass
@@ -72,8 +76,9 @@ class _Histogram:
                 ):
                     values.append(float("nan"))
                 continue
-            # ECE: trial-weighted gap between mean prediction and hit rate per bin.
-            gap = (predicted[k] - hits[k]).abs().sum().item()
+            # ECE: trial-weighted gap between mean prediction and hit rate per ECE bin.
+            merged = (predicted[k] - hits[k]).view(ECE_BINS, -1).sum(dim=1)
+            gap = merged.abs().sum().item()
             result.ece.append(gap / n)
             result.auroc.append(_binned_auroc(hits[k], trials[k] - hits[k]))
             result.mean_predicted.append(predicted[k].sum().item() / n)
@@ -92,10 +97,10 @@ def _binned_auroc(positives: torch.Tensor, negatives: torch.Tensor) -> float:
 
 
 class CalibrationStats:
-    def __init__(self, num_drafts: int, device: torch.device, num_bins: int = 50):
+    def __init__(self, num_drafts: int, device: torch.device):
         self.num_drafts = num_drafts
-        self.conditional = _Histogram(num_drafts, num_bins, device)
-        self.prefix = _Histogram(num_drafts, num_bins, device)
+        self.conditional = _Histogram(num_drafts, FINE_BINS, device)
+        self.prefix = _Histogram(num_drafts, FINE_BINS, device)
 
     def observe(
         self, survival: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor
