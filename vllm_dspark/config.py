@@ -66,14 +66,16 @@ class DSparkOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    capacity: Literal["off", "threshold", "budget", "sps"] = Field(
-        "off", json_schema_extra=_valid("one of: off, threshold, budget, sps")
+    capacity: Literal["off", "threshold", "budget", "sps", "acceptance"] = Field(
+        "off", json_schema_extra=_valid("one of: off, threshold, budget, sps, acceptance")
     )
     """How many of the K drafts each request verifies per target step. ``off``: all K
-    (stock). ``threshold``: the longest prefix whose survival is at least
-    ``confidence_threshold``. ``budget``: the highest-survival (request, position) slots
-    of the batch, up to ceil(R*K*budget_frac). ``sps``: the admission count that
-    maximises expected tokens per second on the target's SPS curve."""
+    (stock). ``threshold``: as many of the highest-survival slots as reached
+    ``confidence_threshold`` last step. ``budget``: the highest-survival (request,
+    position) slots of the batch, up to ceil(R*K*budget_frac). ``sps``: as many as
+    maximised expected tokens per second on the target's SPS curve last step.
+    ``acceptance``: the same depth for every request, following the recent mean accepted
+    length (no confidence head needed; DFlash too)."""
 
     confidence_threshold: StrictFloat = Field(
         0.5, gt=0.0, lt=1.0, json_schema_extra=_valid("a number in (0, 1)")
@@ -183,7 +185,7 @@ class DSparkOptions(BaseModel):
             "confidence_temperature": CONFIDENCE_MODES,
             "online_sts": CONFIDENCE_MODES,
             "dynamic_depth": CONFIDENCE_MODES,
-            "varlen_verify": CONFIDENCE_MODES,
+            "varlen_verify": (*CONFIDENCE_MODES, "acceptance"),
         }
         for name, modes in needs.items():
             if name in self.model_fields_set and self.capacity not in modes:
@@ -341,11 +343,11 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             f"vllm-dspark: {set_keys} need speculative method dspark or dflash; "
             f"got method={method!r}."
         )
-    # Every capacity mode so far ranks drafts by confidence, which DFlash lacks.
+    # The confidence modes rank drafts by confidence, which DFlash lacks.
     dspark_only = [
         name
         for name in (
-            "capacity",
+            *(("capacity",) if options.capacity in CONFIDENCE_MODES else ()),
             "confidence_metrics",
             "online_sts",
             "fp8_markov_head",
@@ -358,7 +360,7 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}{name}={getattr(options, name)!r} needs method "
             f"'dspark' (a drafter with a confidence/Markov head); got method={method!r}. "
-            f"Valid with {method}: {KEY_PREFIX}capacity=off."
+            f"Valid with {method}: {KEY_PREFIX}capacity=off or acceptance."
         )
     if options.synthetic_confidence is not None:
         if getattr(speculative_config, "rejection_sample_method", None) == "synthetic":

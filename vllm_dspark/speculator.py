@@ -15,25 +15,18 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-from vllm_dspark.capacity.allocation import (
-    admission_budget,
-    budget_capacity,
-    prefix_survival,
-    sps_best_count,
-    sps_table_from_curve,
-    threshold_count,
-)
+from vllm_dspark.capacity.allocation import prefix_survival
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
-from vllm_dspark.capacity.stale_budget import StaleBudget
+from vllm_dspark.capacity.control import CapacityControl
 from vllm_dspark.capacity.synthetic import SyntheticConfidence
-from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
+from vllm_dspark.config import DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
 
 _PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
 
 
-class DSparkPluginSpeculator(DSparkSpeculator):
+class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
@@ -44,28 +37,12 @@ class DSparkPluginSpeculator(DSparkSpeculator):
         # Per batch row of the last proposal: confidence logits and prefix survival.
         self.confidence_logits = torch.zeros(shape, dtype=torch.float32, device=device)
         self.survival = torch.ones(shape, dtype=torch.float32, device=device)
-        # Per request slot: the survival of the drafts it waits to have verified.
-        self.slot_survival = torch.ones(shape, dtype=torch.float32, device=device)
         if options.synthetic_confidence is not None:
             self.synthetic = SyntheticConfidence(
                 options.synthetic_confidence[: self.num_speculative_steps], device
             )
             self.temperatures = torch.ones(self.num_speculative_steps, device=device)
-        # Read by patches/compact_verification.py.
-        self.controls_capacity = options.capacity != "off"
-        # threshold and sps: the budget comes from an earlier proposal (stale_budget.py).
-        self.stale_budget = None
-        if options.capacity in ("threshold", "sps"):
-            cap = options.budget_frac * self.num_speculative_steps
-            self.stale_budget = StaleBudget(device, cap)
-        self.sps_table = None
-        if options.capacity == "sps":
-            max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
-            self.sps_table = sps_table_from_curve(options.sps_curve, max_tokens).to(device)
-        self.drafts_proposed = 0  # in compacted steps, for the admitted share
-        self.drafts_admitted = 0
-        if self.controls_capacity:
-            _check_compaction_supported(vllm_config)
+        self._init_capacity(vllm_config, device)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
@@ -98,50 +75,18 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
             num_accepted = (call["num_sampled"] - 1).clamp_(min=0)
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
+        if real_step:
+            self.record_verification(input_batch, call["num_sampled"])
         drafts = super().propose(*args, **kwargs)
         if self.has_confidence and real_step:
             survival = self.survival[: input_batch.num_reqs]
             self.slot_survival[slots] = survival
-            if self.stale_budget is not None:
-                self.stale_budget.record(self.wanted_drafts(survival), input_batch.num_reqs)
+            self.record_proposal(survival)
         return drafts
 
     @property
     def has_confidence(self) -> bool:
         return self.confidence is not None or self.synthetic is not None
-
-    def wanted_drafts(self, survival: torch.Tensor) -> torch.Tensor:
-        """How many of these proposals' drafts the mode would verify (device scalar)."""
-        if self.options.capacity == "threshold":
-            return threshold_count(survival, self.options.confidence_threshold)
-        return sps_best_count(survival, self.sps_table)
-
-    def set_attn(
-        self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
-    ):
-        super().set_attn(
-            model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
-        )
-        if self.controls_capacity:
-            _check_compaction_backends(target_attn_groups)
-
-    def admission_budget(self, num_reqs: int) -> int:
-        """How many drafts a decode step of ``num_reqs`` requests verifies (host-known):
-        ceil(R*K*budget_frac), or less where an earlier proposal wanted less."""
-        cap = admission_budget(num_reqs, self.num_speculative_steps, self.options.budget_frac)
-        if self.stale_budget is None:
-            return cap
-        wanted = round(self.stale_budget.per_request() * num_reqs)
-        # At least one draft: a compacted step always has drafts to verify.
-        return max(1, min(cap, wanted))
-
-    def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
-        """k_r of each request: the ``budget`` best slots by proposal-time survival."""
-        return budget_capacity(self.slot_survival[slots], budget)
-
-    def record_admission(self, num_reqs: int, budget: int) -> None:
-        self.drafts_proposed += num_reqs * self.num_speculative_steps
-        self.drafts_admitted += budget
 
     def _sample_sequential(self, num_reqs: int, head_hidden: torch.Tensor) -> None:
         """The sequential Markov stage, drafting through ``self.heads``.
@@ -201,40 +146,17 @@ class DSparkPluginSpeculator(DSparkSpeculator):
             )
 
 
-def _check_compaction_supported(vllm_config: VllmConfig) -> None:
-    """Compact verification rewrites per-token inputs on the GPU: refuse the features
-    that keep their own host-side per-request layout of the batch."""
-    parallel = vllm_config.parallel_config
-    unsupported = {
-        "LoRA": vllm_config.lora_config is not None,
-        "decode context parallelism": parallel.decode_context_parallel_size > 1,
-        "prefill context parallelism": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
-        "a hybrid (Mamba) target": vllm_config.model_config.is_hybrid,
-    }
-    found = [name for name, present in unsupported.items() if present]
-    if found:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}varlen_verify does not support {', '.join(found)} in "
-            f"this version. Valid here: {KEY_PREFIX}capacity=off."
-        )
-
-
-def _check_compaction_backends(target_attn_groups) -> None:
-    """The target's attention must take device-chosen query lengths: FlashAttention 3."""
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-
-    names = {group.backend.get_name() for groups in target_attn_groups for group in groups}
-    if names != {"FLASH_ATTN"} or get_flash_attn_version() != 3:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}varlen_verify needs the target to run FlashAttention 3 "
-            f"(found {', '.join(sorted(names))}); on Hopper pass --attention-backend FLASH_ATTN."
-        )
-
-
-class DFlashPluginSpeculator(DFlashSpeculator):
+class DFlashPluginSpeculator(CapacityControl, DFlashSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
+        self._init_capacity(vllm_config, device)
+
+    def propose(self, *args, **kwargs):
+        call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
+        if not call.get("dummy_run", False):
+            self.record_verification(call["input_batch"], call["num_sampled"])
+        return super().propose(*args, **kwargs)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)

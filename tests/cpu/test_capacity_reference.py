@@ -21,6 +21,7 @@ MODES = {
     "threshold": dict(mode="threshold", threshold=0.3),
     "budget": dict(mode="budget", budget_frac=0.4),
     "sps": dict(mode="sps", sps_table=SPS),
+    "acceptance": dict(mode="acceptance"),
 }
 
 
@@ -37,20 +38,28 @@ def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> f
     return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
 
 
-def two_token_samples(admission: Admission, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def two_token_samples(
+    admission: Admission, seed: int, first: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples of output tokens ``first`` and ``first + 1`` (as one index), and their
+    target joint. Later tokens come from later steps, where the stateful modes act."""
     pair = ToyPair.random(VOCAB, seed=3)
     start = torch.zeros(BATCHES, REQS, dtype=torch.int64)
     gen = torch.Generator().manual_seed(seed)
-    tokens = first_tokens(pair, start, 2, DRAFTS, admission, gen)
-    # Target joint of the first two tokens: p(y1 | x0) p(y2 | y1).
-    p1 = pair.target_probs(torch.tensor(0))
-    joint = p1[:, None] * pair.target_probs(torch.arange(VOCAB))
-    return tokens[..., 0] * VOCAB + tokens[..., 1], joint
+    tokens = first_tokens(pair, start, first + 2, DRAFTS, admission, gen)
+    # Target marginal of token ``first`` (a Markov chain from x0 = 0), then the next one.
+    transition = pair.target_probs(torch.arange(VOCAB))
+    marginal = pair.target_probs(torch.tensor(0))
+    for _ in range(first):
+        marginal = marginal @ transition
+    joint = marginal[:, None] * transition
+    return tokens[..., first] * VOCAB + tokens[..., first + 1], joint
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_output_distribution_matches_target(mode):
-    samples, joint = two_token_samples(admission(mode), seed=11)
+@pytest.mark.parametrize("first", [0, 8])
+def test_output_distribution_matches_target(mode, first):
+    samples, joint = two_token_samples(admission(mode), seed=11, first=first)
     assert samples.numel() == 20_000
     assert chi_square_p_value(samples.flatten(), joint) > 0.01
 
@@ -127,7 +136,7 @@ def test_sps_table_interpolates_and_holds_its_ends():
 
 
 @pytest.mark.parametrize("mode", ["threshold", "budget", "sps"])
-def test_modes_really_vary_the_verified_depth(mode):
+def test_confidence_modes_really_vary_the_verified_depth(mode):
     # Otherwise the distribution tests above would only re-test fixed depth.
     pair = ToyPair.random(VOCAB, seed=3)
     prev = torch.randint(0, VOCAB, (BATCHES, REQS), generator=torch.Generator().manual_seed(0))
@@ -169,3 +178,12 @@ def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
     assert accepted_lengths(sure, torch.tensor([0, 2, 4]), torch.zeros(3, 4)).tolist() == [0, 2, 4]
     gap = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     assert accepted_lengths(gap, torch.tensor([4]), torch.full((1, 4), 0.5)).tolist() == [1]
+
+
+def test_acceptance_mode_really_changes_the_depth():
+    pair = ToyPair.random(VOCAB, seed=3)
+    acceptance = admission("acceptance")
+    start = torch.zeros(BATCHES, REQS, dtype=torch.int64)
+    first_tokens(pair, start, 6, DRAFTS, acceptance, torch.Generator().manual_seed(0))
+    depths = acceptance._depth.unique()
+    assert len(depths) >= 2 and depths.min() < DRAFTS

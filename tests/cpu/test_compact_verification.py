@@ -107,10 +107,10 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     assert _step_budget(runner, scheduler_output({}, {})) is None
 
 
-def test_stale_budget_reads_the_proposal_before_the_last():
-    from vllm_dspark.capacity.stale_budget import StaleBudget
+def test_stale_record_reads_the_proposal_before_the_last():
+    from vllm_dspark.capacity.stale_record import StalePerRequest
 
-    stale = StaleBudget(torch.device("cpu"), initial_per_request=3.5)
+    stale = StalePerRequest(torch.device("cpu"), initial_per_request=3.5)
     assert stale.per_request() == 3.5
     stale.record(torch.tensor(8), num_reqs=4)  # proposal 0
     assert stale.per_request() == 3.5  # proposal 0's drafts are the ones being verified
@@ -143,7 +143,7 @@ def test_threshold_and_sps_budgets_follow_the_previous_proposal(
     # Before two proposals: the cap, R * K (budget_frac 1).
     assert speculator.admission_budget(4) == 4 * K
     for _ in range(2):
-        speculator.stale_budget.record(speculator.wanted_drafts(survival), num_reqs=4)
+        speculator.record_proposal(survival)
     assert speculator.admission_budget(4) == 4 * wanted
     assert speculator.admission_budget(8) == 8 * wanted  # scaled to the batch
 
@@ -182,3 +182,54 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
     assert sampled == "sampled"
     assert num_sampled.tolist() == [8, 3, 1] and num_sampled.dtype == torch.int32
     calibrated_synthetic._speculator = None
+
+
+def test_acceptance_depth_drops_at_once_and_climbs_by_one_per_window():
+    from vllm_dspark.capacity.acceptance import WINDOW_STEPS, AcceptanceDepth
+
+    depth = AcceptanceDepth(max_depth=K)
+
+    def window(mean_accepted):
+        return [depth.observe(mean_accepted) for _ in range(WINDOW_STEPS)]
+
+    assert window(1.0) == [K] * (WINDOW_STEPS - 1) + [2]  # floor(1 + 1.5) = 2, at once
+    assert window(1.9)[-1] == 3  # target 3: one up
+    assert window(6.0)[-1] == 4  # target 7: still one per window
+    assert window(6.0)[-1] == 5
+    assert window(0.0)[-1] == 1  # never below one draft
+
+
+def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_dirs):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.capacity.acceptance import WINDOW_STEPS
+    from vllm_dspark.config import DSparkOptions
+    from vllm_dspark.speculator import DFlashPluginSpeculator
+
+    config = engine_config(
+        {
+            "method": "dflash",
+            "model": model_dirs["dflash"],
+            "num_speculative_tokens": K,
+            "dspark_capacity": "acceptance",
+            "dspark_varlen_verify": True,
+        }
+    )
+    with set_current_vllm_config(config):
+        speculator = DFlashPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    assert speculator.controls_capacity
+    # Three decode requests verified 7 drafts each and accepted 1, 0 and 2; a prefill had none.
+    batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 8, 16, 24, 25]))
+    num_sampled = torch.tensor([2, 1, 3, 1])
+    budgets = []
+    for _ in range(2 * WINDOW_STEPS + 1):
+        budgets.append(speculator.admission_budget(3))
+        speculator.record_verification(batch, num_sampled)
+    # The budget reads the step before the last (the first two see the initial K), so the
+    # first window's mean is 2.5 (depth 4) and the second's 1.0 (depth floor(2.5) = 2).
+    assert budgets[WINDOW_STEPS] == 3 * 4
+    budget = budgets[-1]
+    assert budget == 3 * 2
+    assert speculator.verify_capacity(torch.tensor([4, 0, 9]), budget).tolist() == [2, 2, 2]

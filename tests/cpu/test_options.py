@@ -172,7 +172,11 @@ BAD_INPUTS = [
         "dflash",
         {"dspark_capacity": "threshold"},
         {},
-        ["dspark_capacity='threshold' needs method 'dspark'", "method='dflash'", "capacity=off"],
+        [
+            "dspark_capacity='threshold' needs method 'dspark'",
+            "method='dflash'",
+            "capacity=off or acceptance",
+        ],
     ),
     (
         "markov head with dflash",
@@ -230,6 +234,13 @@ BAD_INPUTS = [
         },
         {},
         ["replaces vLLM's synthetic acceptance", "'standard'"],
+    ),
+    (
+        "acceptance without compaction",
+        "dflash",
+        {"dspark_capacity": "acceptance"},
+        {},
+        ["dspark_capacity='acceptance' needs dspark_varlen_verify=true"],
     ),
     (
         "capacity without compaction",

@@ -37,7 +37,7 @@ confidences, allocation by current ones). It is also what vLLM needs: the number
 verified tokens, R + B, must be known on the host before the step (it picks the CUDA
 graph and sizes the batch), and the previous proposal's count reaches the host through a
 non-blocking copy of a step the GPU has already finished
-(:mod:`vllm_dspark.capacity.stale_budget`), instead of a sync on the current one.
+(:mod:`vllm_dspark.capacity.stale_record`), instead of a sync on the current one.
 Deciding B from the *current* survivals would need that sync and, for ``sps``, an early
 stop at the first drop of expected throughput to stay lossless.
 

@@ -22,7 +22,7 @@ from vllm_dspark.capacity.allocation import (
     threshold_count,
 )
 
-Mode = Literal["off", "threshold", "budget", "sps"]
+Mode = Literal["off", "threshold", "budget", "sps", "acceptance"]
 
 
 @dataclass
@@ -49,7 +49,8 @@ class ToyPair:
 @dataclass
 class Admission:
     """A capacity mode as served: ``threshold`` and ``sps`` take their budget from the
-    previous step's proposals of the same batch (stateful across steps)."""
+    previous step's proposals of the same batch, ``acceptance`` its depth from the previous
+    step's accepted drafts (stateful across steps)."""
 
     mode: Mode = "off"
     threshold: float = 0.5
@@ -57,8 +58,10 @@ class Admission:
     sps_table: torch.Tensor | None = None
     # Test-only: a wrong scheme whose confidence reads the draft it decides about.
     leak_current_draft: bool = False
-    # Per batch: drafts per request the previous step's proposals wanted.
+    # Per batch: drafts per request the previous step's proposals wanted (threshold, sps),
+    # or the depth its acceptance asks for (acceptance).
     _wanted_per_request: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _depth: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def capacity(self, survival: torch.Tensor) -> torch.Tensor:
         """k_r for every request of every batch. [B, R, K] -> [B, R]."""
@@ -68,6 +71,10 @@ class Admission:
             return torch.full(survival.shape[:-1], num_drafts, dtype=torch.int64)
         if self.mode == "budget":
             return budget_capacity(survival, cap)
+        if self.mode == "acceptance":
+            if self._depth is None:
+                return torch.full(survival.shape[:-1], num_drafts, dtype=torch.int64)
+            return self._depth[:, None].expand(survival.shape[:-1])
         budget = torch.full(survival.shape[:-2], cap, dtype=torch.int64)
         if self._wanted_per_request is not None:
             budget = (self._wanted_per_request * num_reqs).round().long().clamp(1, cap)
@@ -78,6 +85,14 @@ class Admission:
             wanted = sps_best_count(survival, self.sps_table)
         self._wanted_per_request = wanted.double() / num_reqs
         return budget_capacity(survival, budget)
+
+
+    def after_step(self, count: torch.Tensor, num_drafts: int) -> None:
+        """The step's output counts (accepted + 1) [B, R]: acceptance's next depth, the
+        served target clamp(floor(mean accepted + 1.5), 1, K) (without the windows)."""
+        if self.mode == "acceptance":
+            mean_accepted = (count - 1).double().mean(dim=-1)
+            self._depth = (mean_accepted + 1.5).floor().long().clamp(1, num_drafts)
 
 
 def _sample(probs: torch.Tensor, gen: torch.Generator, greedy: bool) -> torch.Tensor:
@@ -157,6 +172,7 @@ def first_tokens(
     last = start
     while bool((have < num_tokens).any()):
         tokens, count = speculative_step(pair, last, num_drafts, admission, gen, greedy)
+        admission.after_step(count, num_drafts)
         for j in range(num_drafts + 1):
             slot = have + j
             take = (j < count) & (slot < num_tokens)

@@ -1,7 +1,9 @@
-"""The admission budget of a step, taken from an earlier proposal without stalling the GPU.
+"""Per-step device statistics read on the host one step late, without stalling the GPU.
 
-Each real proposal ends with the number of drafts its mode wants verified (a device
-scalar: slots above the threshold, or the SPS-optimal count), copied to pinned host memory
+Capacity control plans each step on the host from what earlier steps measured on the
+device: the number of drafts a proposal wants verified (slots above the threshold, or the
+SPS-optimal count) or the drafts its requests had accepted. Each real proposal ends with
+such a (total, requests) pair, the total a device scalar copied to pinned host memory
 with ``non_blocking=True`` and marked by a CUDA event. The host reads it when it plans a
 later step: the step that verifies proposal p reads the record of proposal p - 1, whose
 drafts were sampled, and verified, before those of p. So the budget is a function of the
@@ -11,7 +13,7 @@ at most one step ahead of the GPU, plans this one, so the wait is for work alrea
 and every tensor-parallel rank reads the same value (a read that fell back to an older
 value when a copy was late would let ranks pick different batch sizes and hang).
 
-The count is kept per request, so a batch that grew or shrank since gets a budget in
+The statistic is read per request, so a batch that grew or shrank since gets a budget in
 proportion to its size.
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 
-class StaleBudget:
+class StalePerRequest:
     def __init__(self, device: torch.device, initial_per_request: float):
         cuda = device.type == "cuda"
         # Two records, (wanted count, requests), written alternately by proposals.
@@ -29,24 +31,28 @@ class StaleBudget:
         self._proposals = 0
         self._per_request = initial_per_request
 
-    def record(self, wanted: torch.Tensor, num_reqs: int) -> None:
-        """After a real proposal of ``num_reqs`` requests: its wanted count (device scalar)."""
+    def record(self, total: torch.Tensor, num_reqs: torch.Tensor | int) -> None:
+        """After a real step: its total (device scalar) over ``num_reqs`` requests."""
         slot = self._proposals % 2
-        self._records[slot, 0].copy_(wanted, non_blocking=True)
-        self._records[slot, 1] = num_reqs
+        self._records[slot, 0].copy_(total, non_blocking=True)
+        if isinstance(num_reqs, torch.Tensor):
+            self._records[slot, 1].copy_(num_reqs, non_blocking=True)
+        else:
+            self._records[slot, 1] = num_reqs
         event = self._events[slot]
         if event is not None:
             event.record()
         self._proposals += 1
 
     def per_request(self) -> float:
-        """Wanted drafts per request of the proposal before the last one (at first, the
+        """The total per request of the proposal before the last one (at first, the
         initial value)."""
         if self._proposals >= 2:
             slot = (self._proposals - 2) % 2
             event = self._events[slot]
             if event is not None:
                 event.synchronize()
-            count, num_reqs = self._records[slot].tolist()
-            self._per_request = count / max(num_reqs, 1.0)
+            total, num_reqs = self._records[slot].tolist()
+            if num_reqs > 0:  # a step with no request to count keeps the last value
+                self._per_request = total / num_reqs
         return self._per_request

@@ -1,0 +1,143 @@
+"""What :mod:`vllm_dspark.patches.compact_verification` asks of a speculator that controls
+capacity, shared by the DSpark and DFlash speculators.
+
+Per decode step the runner asks :meth:`CapacityControl.admission_budget` for the number B
+of drafts to verify (on the host, before the step), then :meth:`verify_capacity` for how
+they split over the requests (on the device). The modes:
+
+- ``budget``: B = ceil(R*K*budget_frac), split by proposal-time survival;
+- ``threshold`` / ``sps``: B from the previous proposal's wanted count
+  (:mod:`vllm_dspark.capacity.allocation`), split by survival;
+- ``acceptance``: every request verifies d drafts, d following the recent mean accepted
+  length (:mod:`vllm_dspark.capacity.acceptance`); needs no confidence head.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+
+from vllm_dspark.capacity.acceptance import AcceptanceDepth
+from vllm_dspark.capacity.allocation import (
+    admission_budget,
+    budget_capacity,
+    sps_best_count,
+    sps_table_from_curve,
+    threshold_count,
+)
+from vllm_dspark.capacity.stale_record import StalePerRequest
+from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
+
+
+class CapacityControl:
+    """Mixed into a speculator (which provides num_speculative_steps and max_num_reqs)."""
+
+    options: DSparkOptions
+    num_speculative_steps: int
+    max_num_reqs: int
+
+    def _init_capacity(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        options, num_drafts = self.options, self.num_speculative_steps
+        self.controls_capacity = options.capacity != "off"
+        # Per request slot: the survival of the drafts it waits to have verified.
+        self.slot_survival = torch.ones(
+            (self.max_num_reqs, num_drafts), dtype=torch.float32, device=device
+        )
+        # threshold and sps: the budget comes from the previous proposal.
+        self.stale_budget = None
+        if options.capacity in ("threshold", "sps"):
+            self.stale_budget = StalePerRequest(device, options.budget_frac * num_drafts)
+        self.sps_table = None
+        if options.capacity == "sps":
+            max_tokens = self.max_num_reqs * (1 + num_drafts)
+            self.sps_table = sps_table_from_curve(options.sps_curve, max_tokens).to(device)
+        # acceptance: a depth from the mean accepted length of verified steps.
+        self.acceptance = None
+        if options.capacity == "acceptance":
+            self.acceptance = AcceptanceDepth(num_drafts)
+            self.stale_accepted = StalePerRequest(device, float(num_drafts))
+        self.drafts_proposed = 0  # in compacted steps, for the admitted share
+        self.drafts_admitted = 0
+        if self.controls_capacity:
+            _check_compaction_supported(vllm_config)
+
+    def admission_budget(self, num_reqs: int) -> int:
+        """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
+        num_drafts = self.num_speculative_steps
+        cap = admission_budget(num_reqs, num_drafts, self.options.budget_frac)
+        if self.acceptance is not None:
+            return num_reqs * self.acceptance.observe(self.stale_accepted.per_request())
+        if self.stale_budget is None:
+            return cap
+        wanted = round(self.stale_budget.per_request() * num_reqs)
+        # At least one draft: a compacted step always has drafts to verify.
+        return max(1, min(cap, wanted))
+
+    def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
+        """k_r of each request: the same depth for all (acceptance), else the ``budget``
+        best slots by proposal-time survival."""
+        if self.acceptance is not None:
+            return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
+        return budget_capacity(self.slot_survival[slots], budget)
+
+    def record_admission(self, num_reqs: int, budget: int) -> None:
+        self.drafts_proposed += num_reqs * self.num_speculative_steps
+        self.drafts_admitted += budget
+
+    def record_verification(self, input_batch, num_sampled: torch.Tensor) -> None:
+        """After a real step's verification: the accepted drafts of its decode requests."""
+        if self.acceptance is None:
+            return
+        num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
+        verified = num_verified > 0
+        accepted = (num_sampled - 1).clamp(min=0) * verified
+        self.stale_accepted.record(accepted.sum(), verified.sum())
+
+    def record_proposal(self, survival: torch.Tensor) -> None:
+        """After a real proposal: how many of its drafts threshold / sps want verified."""
+        if self.stale_budget is None:
+            return
+        if self.options.capacity == "threshold":
+            wanted = threshold_count(survival, self.options.confidence_threshold)
+        else:
+            wanted = sps_best_count(survival, self.sps_table)
+        self.stale_budget.record(wanted, survival.shape[0])
+
+    def set_attn(
+        self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+    ):
+        super().set_attn(
+            model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+        )
+        if self.controls_capacity:
+            _check_compaction_backends(target_attn_groups)
+
+
+def _check_compaction_supported(vllm_config: VllmConfig) -> None:
+    """Compact verification rewrites per-token inputs on the GPU: refuse the features
+    that keep their own host-side per-request layout of the batch."""
+    parallel = vllm_config.parallel_config
+    unsupported = {
+        "LoRA": vllm_config.lora_config is not None,
+        "decode context parallelism": parallel.decode_context_parallel_size > 1,
+        "prefill context parallelism": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+        "a hybrid (Mamba) target": vllm_config.model_config.is_hybrid,
+    }
+    found = [name for name, present in unsupported.items() if present]
+    if found:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}varlen_verify does not support {', '.join(found)} in "
+            f"this version. Valid here: {KEY_PREFIX}capacity=off."
+        )
+
+
+def _check_compaction_backends(target_attn_groups) -> None:
+    """The target's attention must take device-chosen query lengths: FlashAttention 3."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    names = {group.backend.get_name() for groups in target_attn_groups for group in groups}
+    if names != {"FLASH_ATTN"} or get_flash_attn_version() != 3:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}varlen_verify needs the target to run FlashAttention 3 "
+            f"(found {', '.join(sorted(names))}); on Hopper pass --attention-backend FLASH_ATTN."
+        )
