@@ -53,6 +53,7 @@ ARMS = {
     },
     # dspark_sps_curve comes from --sps-curve.
     "sps": {"dspark_capacity": "sps", "dspark_varlen_verify": True},
+    "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
 }
 
 
