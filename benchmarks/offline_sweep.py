@@ -66,7 +66,7 @@ def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one JSON line each."""
     from vllm import LLM, SamplingParams
 
-    from vllm_dspark.metrics import SpecDecodeCounts
+    from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts
 
     speculative = None
     if spec["options"] is not None:
@@ -81,6 +81,8 @@ def run_arm_here(spec: dict) -> None:
                     "synthetic_acceptance_rates": rates,
                 }
         speculative |= spec["options"]
+        # admission_counts() reads the speculator's counters in the worker.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
         model=spec["target"],
         load_format="dummy" if spec["dummy"] else "auto",
@@ -106,12 +108,19 @@ def run_arm_here(spec: dict) -> None:
         ]
 
     llm.generate(prompts(8, 0), params, use_tqdm=False)
+    speculating = speculative is not None
+
+    def admission() -> AdmissionCounts:
+        return admission_counts(llm) if speculating else AdmissionCounts()
+
     for concurrency in spec["concurrency"]:
         before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+        admitted_before = admission()
         start = time.perf_counter()
         outputs = llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
         seconds = time.perf_counter() - start
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+        admitted = admission() - admitted_before
         tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
         print(
             "ROW "
@@ -120,9 +129,9 @@ def run_arm_here(spec: dict) -> None:
                     "concurrency": concurrency,
                     "tok_s": round(tokens / seconds, 1),
                     "acceptance_length": counts.acceptance_length if counts.drafts else None,
-                    "admitted_per_req": counts.draft_tokens / counts.drafts
-                    if counts.drafts
-                    else None,
+                    # Per request and step, compacted steps only (else all K).
+                    "admitted_per_req": admitted.admitted_per_request if speculating else None,
+                    "admission": asdict(admitted),
                     "spec_decode": asdict(counts),
                 }
             ),

@@ -76,3 +76,39 @@ def confidence_calibration(llm) -> dict:
     ranks hold identical counts; the first rank's are returned.
     """
     return llm.collective_rpc(_worker_calibration)[0]
+
+
+@dataclass
+class AdmissionCounts:
+    """Drafts proposed and admitted in compacted (capacity-controlled) decode steps."""
+
+    proposed: int = 0
+    admitted: int = 0
+    num_drafts: int = 0  # K
+
+    def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
+        return AdmissionCounts(
+            self.proposed - other.proposed, self.admitted - other.admitted, self.num_drafts
+        )
+
+    @property
+    def admitted_per_request(self) -> float:
+        """Mean drafts a request verified per compacted step (K when none were compacted)."""
+        requests = self.proposed / self.num_drafts if self.num_drafts else 0
+        return self.admitted / requests if requests else float(self.num_drafts)
+
+
+def _worker_admission(worker) -> dict:
+    speculator = worker.model_runner.speculator
+    return {
+        "proposed": getattr(speculator, "drafts_proposed", 0),
+        "admitted": getattr(speculator, "drafts_admitted", 0),
+        "num_drafts": speculator.num_speculative_steps,
+    }
+
+
+def admission_counts(llm) -> AdmissionCounts:
+    """The first rank's admission counters (ranks admit alike); needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts, as it calls into the
+    worker."""
+    return AdmissionCounts(**llm.collective_rpc(_worker_admission)[0])

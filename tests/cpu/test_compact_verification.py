@@ -233,3 +233,24 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_
     budget = budgets[-1]
     assert budget == 3 * 2
     assert speculator.verify_capacity(torch.tensor([4, 0, 9]), budget).tolist() == [2, 2, 2]
+
+
+def test_ranks_fed_alike_decide_alike(engine_config, model_dirs):
+    """Tensor parallelism: every rank must verify the same drafts. Two speculators (two
+    ranks) given the same survivals and verification results pick bit-identical budgets
+    and capacities, ties included."""
+    options = {"dspark_capacity": "threshold", "dspark_confidence_threshold": 0.5}
+    ranks = [build_speculator(engine_config, model_dirs, **options) for _ in range(2)]
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.tensor([3, 0, 7, 5])
+    for step in range(6):
+        # Coarse values, so that many slots tie.
+        survival = torch.cumprod(torch.randint(5, 11, (4, K), generator=gen) / 10.0, dim=1)
+        decisions = []
+        for rank in ranks:
+            budget = rank.admission_budget(len(slots))
+            rank.slot_survival[slots] = survival
+            decisions.append((budget, rank.verify_capacity(slots, budget)))
+            rank.record_proposal(survival)
+        (budget_a, capacity_a), (budget_b, capacity_b) = decisions
+        assert budget_a == budget_b and torch.equal(capacity_a, capacity_b), step

@@ -86,7 +86,6 @@ class Admission:
         self._wanted_per_request = wanted.double() / num_reqs
         return budget_capacity(survival, budget)
 
-
     def after_step(self, count: torch.Tensor, num_drafts: int) -> None:
         """The step's output counts (accepted + 1) [B, R]: acceptance's next depth, the
         served target clamp(floor(mean accepted + 1.5), 1, K) (without the windows)."""
