@@ -8,7 +8,8 @@
 #            stages on the same machine run on it; plus the FP8 head's agreement on the
 #            pair's real hidden states
 #   pair     demo + reference check (vLLM)
-#   arms     budget capacity and FP8 head on the pair, against no speculation (vLLM)
+#   arms     capacity modes and FP8 head on the pair, against no speculation (vLLM; 6
+#            engines of ~90 s: pass a pytest -k expression as the third argument to split)
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
 #   capacity-fixed / capacity-controlled
@@ -54,7 +55,7 @@ case "$stage" in
     ;;
   arms)
     vllm_env; use_recalibrated
-    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -12
+    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tail -12
     ;;
   fp8e2e)
     vllm_env
