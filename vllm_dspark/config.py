@@ -386,7 +386,7 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
 
 
 # Options declared for the issues still to come; each leaves this set when it ships.
-NOT_IMPLEMENTED = frozenset({"online_sts", "dynamic_depth"})
+NOT_IMPLEMENTED = frozenset({"dynamic_depth"})
 
 
 def check_implemented(options: DSparkOptions) -> None:

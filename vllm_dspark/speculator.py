@@ -19,6 +19,7 @@ from vllm_dspark.capacity.allocation import prefix_survival
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
 from vllm_dspark.capacity.control import CapacityControl
+from vllm_dspark.capacity.online_sts import OnlineSTS
 from vllm_dspark.capacity.synthetic import SyntheticConfidence
 from vllm_dspark.config import DSparkOptions
 from vllm_dspark.head.draft_heads import DraftHeads
@@ -33,10 +34,13 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         self.confidence: ConfidenceHead | None = None
         self.synthetic: SyntheticConfidence | None = None
         self.calibration: CalibrationStats | None = None
+        self.online_sts: OnlineSTS | None = None
         shape = (self.max_num_reqs, self.num_speculative_steps)
         # Per batch row of the last proposal: confidence logits and prefix survival.
         self.confidence_logits = torch.zeros(shape, dtype=torch.float32, device=device)
         self.survival = torch.ones(shape, dtype=torch.float32, device=device)
+        # Per request slot: the raw confidence logits of the drafts it waits to have verified.
+        self.slot_confidence_logits = torch.zeros(shape, dtype=torch.float32, device=device)
         if options.synthetic_confidence is not None:
             self.synthetic = SyntheticConfidence(
                 options.synthetic_confidence[: self.num_speculative_steps], device
@@ -62,6 +66,8 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
             )
         if self.options.confidence_metrics:
             self.calibration = CalibrationStats(self.num_speculative_steps, self.device)
+        if self.options.online_sts:
+            self.online_sts = OnlineSTS(self.temperatures.clone())
         return model
 
     def propose(self, *args, **kwargs):
@@ -70,19 +76,29 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         real_step = not call.get("dummy_run", False)
         input_batch = call["input_batch"]
         slots = input_batch.idx_mapping
-        if self.calibration is not None and real_step:
-            # The drafts just verified are the ones each slot proposed last step.
-            num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
-            num_accepted = (call["num_sampled"] - 1).clamp_(min=0)
-            self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         if real_step:
-            self.record_verification(input_batch, call["num_sampled"])
+            self._observe_verification(input_batch, slots, call["num_sampled"])
         drafts = super().propose(*args, **kwargs)
         if self.has_confidence and real_step:
             survival = self.survival[: input_batch.num_reqs]
             self.slot_survival[slots] = survival
+            self.slot_confidence_logits[slots] = self.confidence_logits[: input_batch.num_reqs]
             self.record_proposal(survival)
         return drafts
+
+    def _observe_verification(self, input_batch, slots, num_sampled) -> None:
+        """What the step just verified, the drafts each slot proposed last step, feeds the
+        calibration metrics, online STS and the acceptance controller."""
+        self.record_verification(input_batch, num_sampled)
+        if self.calibration is None and self.online_sts is None:
+            return
+        num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
+        num_accepted = (num_sampled - 1).clamp(min=0)
+        if self.calibration is not None:
+            self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
+        if self.online_sts is not None:
+            self.online_sts.observe(self.slot_confidence_logits[slots], num_verified, num_accepted)
+            self.online_sts.maybe_refit(self.temperatures)
 
     @property
     def has_confidence(self) -> bool:

@@ -1,0 +1,58 @@
+"""Online STS: refits temperatures from served verification results, deterministically."""
+
+import pytest
+import torch
+
+from vllm_dspark.capacity.online_sts import OnlineSTS
+
+K = 3
+
+
+def serve(sts, steps, true_temperatures, gen, reqs=256, temperatures=None):
+    """Steps where every request verifies all K drafts, each accepted with
+    sigmoid(z / true T) given its prefix was."""
+    for _ in range(steps):
+        logits = torch.randn(reqs, K, generator=gen) * 3
+        accept = torch.rand(reqs, K, generator=gen) < torch.sigmoid(logits / true_temperatures)
+        num_accepted = torch.cumprod(accept.long(), dim=1).sum(dim=1)
+        sts.observe(logits, torch.full((reqs,), K), num_accepted)
+        if temperatures is not None:
+            sts.maybe_refit(temperatures)
+
+
+def test_refit_finds_the_temperatures_that_calibrate_the_head():
+    truth = torch.tensor([2.0, 0.7, 1.0])
+    sts = OnlineSTS(torch.ones(K), refit_every=64, prior_weight=10.0)
+    temperatures = torch.ones(K)
+    serve(sts, 64, truth, torch.Generator().manual_seed(0), temperatures=temperatures)
+    assert sts.refits == 1
+    assert temperatures.tolist() == pytest.approx(truth.tolist(), rel=0.15)
+    assert max(sts.calibration_error) < 0.03
+
+
+def test_few_trials_stay_near_the_prior_and_unverified_drafts_are_censored():
+    sts = OnlineSTS(torch.ones(K), refit_every=1, prior_weight=1e6)
+    temperatures = torch.ones(K)
+    serve(sts, 1, torch.tensor([3.0, 3.0, 3.0]), torch.Generator(), temperatures=temperatures)
+    assert temperatures.tolist() == pytest.approx([1.0] * K, abs=0.01)
+    # Nothing verified: no trial anywhere, whatever was accepted before.
+    empty = OnlineSTS(torch.ones(K))
+    empty.observe(torch.zeros(4, K), torch.zeros(4, dtype=torch.long), torch.zeros(4))
+    assert empty.trials.sum() == 0
+
+
+def test_ranks_fed_alike_fit_bit_identical_temperatures():
+    fits = []
+    for _ in range(2):
+        sts = OnlineSTS(torch.tensor([1.0, 1.2, 0.9]), refit_every=16)
+        temperatures = torch.ones(K)
+        serve(
+            sts,
+            32,
+            torch.tensor([1.5, 1.0, 2.0]),
+            torch.Generator().manual_seed(7),
+            64,
+            temperatures,
+        )
+        fits.append(temperatures)
+    assert torch.equal(fits[0], fits[1])
