@@ -15,7 +15,7 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-from vllm_dspark.capacity.allocation import prefix_survival
+from vllm_dspark.capacity.allocation import prefix_survival, verification_counts
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
 from vllm_dspark.capacity.control import CapacityControl
@@ -89,11 +89,10 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
     def _observe_verification(self, input_batch, slots, num_sampled) -> None:
         """What the step just verified, the drafts each slot proposed last step, feeds the
         calibration metrics, online STS and the acceptance controller."""
-        self.record_verification(input_batch, num_sampled)
-        if self.calibration is None and self.online_sts is None:
+        if self.acceptance is None and self.calibration is None and self.online_sts is None:
             return
-        num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
-        num_accepted = (num_sampled - 1).clamp(min=0)
+        num_verified, num_accepted = verification_counts(input_batch.cu_num_logits, num_sampled)
+        self.record_verification(num_verified, num_accepted)
         if self.calibration is not None:
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         if self.online_sts is not None:
@@ -170,8 +169,9 @@ class DFlashPluginSpeculator(CapacityControl, DFlashSpeculator):
 
     def propose(self, *args, **kwargs):
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
-        if not call.get("dummy_run", False):
-            self.record_verification(call["input_batch"], call["num_sampled"])
+        if self.acceptance is not None and not call.get("dummy_run", False):
+            cu_num_logits = call["input_batch"].cu_num_logits
+            self.record_verification(*verification_counts(cu_num_logits, call["num_sampled"]))
         return super().propose(*args, **kwargs)
 
     def load_draft_model(self, target_model, target_attn_layer_names):

@@ -152,11 +152,8 @@ def test_confidence_modes_really_vary_the_verified_depth(mode):
 
 
 def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
-    from vllm_dspark.capacity.synthetic import (
-        SyntheticConfidence,
-        accepted_lengths,
-        conditional_confidence,
-    )
+    from vllm_dspark.capacity.allocation import conditional_confidence
+    from vllm_dspark.capacity.synthetic import SyntheticConfidence, accepted_lengths
 
     torch.manual_seed(0)
     medians = [0.8, 0.6, 0.5, 0.4]

@@ -203,6 +203,7 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_
     from vllm.config import set_current_vllm_config
 
     from vllm_dspark.capacity.acceptance import WINDOW_STEPS
+    from vllm_dspark.capacity.allocation import verification_counts
     from vllm_dspark.config import DSparkOptions
     from vllm_dspark.speculator import DFlashPluginSpeculator
 
@@ -226,7 +227,7 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_
     budgets = []
     for _ in range(2 * WINDOW_STEPS + 1):
         budgets.append(speculator.admission_budget(3))
-        speculator.record_verification(batch, num_sampled)
+        speculator.record_verification(*verification_counts(batch.cu_num_logits, num_sampled))
     # The budget reads the step before the last (the first two see the initial K), so the
     # first window's mean is 2.5 (depth 4) and the second's 1.0 (depth floor(2.5) = 2).
     assert budgets[WINDOW_STEPS] == 3 * 4

@@ -61,6 +61,21 @@ def prefix_survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor)
     return torch.cumprod(torch.sigmoid(confidence_logits.float() / temperatures), dim=-1)
 
 
+def conditional_confidence(survival: torch.Tensor) -> torch.Tensor:
+    """c(r, k) = s(r, k) / s(r, k-1) back from prefix survivals. [..., K] -> [..., K]."""
+    before = torch.cat([torch.ones_like(survival[..., :1]), survival[..., :-1]], dim=-1)
+    return survival / before.clamp(min=1e-30)
+
+
+def verification_counts(
+    cu_num_logits: torch.Tensor, num_sampled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request of a verified step: (drafts verified, drafts accepted). A request's
+    logits are its drafts plus the bonus position; it sampled its accepted drafts + 1."""
+    num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
+    return num_verified, (num_sampled - 1).clamp(min=0)
+
+
 def admission_budget(num_reqs: int, num_drafts: int, budget_frac: float) -> int:
     """ceil(R * K * frac), known on the host from the batch size alone."""
     slots = num_reqs * num_drafts

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_dspark.capacity.allocation import conditional_confidence
+
 # Predictions are summed in fixed point, so that sums are exact and order-independent.
 FIXED_POINT = 1 << 20
 ECE_BINS = 15
@@ -110,9 +112,7 @@ class CalibrationStats:
         verified = position < num_verified[:, None]
         accepted = position < num_accepted[:, None]
         prefix_accepted = position <= num_accepted[:, None]  # drafts 1..k-1 accepted
-        previous = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], dim=1)
-        conditional = survival / previous.clamp_min(1e-30)
-        self.conditional.add(conditional, accepted, verified & prefix_accepted)
+        self.conditional.add(conditional_confidence(survival), accepted, verified & prefix_accepted)
         fully_verified = (num_verified == self.num_drafts)[:, None].expand_as(verified)
         self.prefix.add(survival, accepted, fully_verified)
 

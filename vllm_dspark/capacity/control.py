@@ -84,14 +84,13 @@ class CapacityControl:
         self.drafts_proposed += num_reqs * self.num_speculative_steps
         self.drafts_admitted += budget
 
-    def record_verification(self, input_batch, num_sampled: torch.Tensor) -> None:
-        """After a real step's verification: the accepted drafts of its decode requests."""
+    def record_verification(self, num_verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After a real step's verification (:func:`verification_counts`): the accepted
+        drafts of its decode requests, for the acceptance controller."""
         if self.acceptance is None:
             return
-        num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
         verified = num_verified > 0
-        accepted = (num_sampled - 1).clamp(min=0) * verified
-        self.stale_accepted.record(accepted.sum(), verified.sum())
+        self.stale_accepted.record((num_accepted * verified).sum(), verified.sum())
 
     def record_proposal(self, survival: torch.Tensor) -> None:
         """After a real proposal: how many of its drafts threshold / sps want verified."""

@@ -25,7 +25,7 @@ import torch
 class StalePerRequest:
     def __init__(self, device: torch.device, initial_per_request: float):
         cuda = device.type == "cuda"
-        # Two records, (wanted count, requests), written alternately by proposals.
+        # Two records, (total, requests), written alternately by successive steps.
         self._records = torch.zeros(2, 2, dtype=torch.float32, pin_memory=cuda)
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._proposals = 0

@@ -28,12 +28,6 @@ class SyntheticConfidence:
         return self.center + LOGIT_SPREAD * noise
 
 
-def conditional_confidence(survival: torch.Tensor) -> torch.Tensor:
-    """c(r, k) = s(r, k) / s(r, k-1) from prefix survivals. [R, K] -> [R, K]."""
-    before = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], dim=1)
-    return survival / before.clamp(min=1e-30)
-
-
 def accepted_lengths(
     confidence: torch.Tensor, num_verified: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:

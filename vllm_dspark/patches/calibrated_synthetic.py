@@ -22,7 +22,8 @@ import weakref
 
 import torch
 
-from vllm_dspark.capacity.synthetic import accepted_lengths, conditional_confidence
+from vllm_dspark.capacity.allocation import conditional_confidence, verification_counts
+from vllm_dspark.capacity.synthetic import accepted_lengths
 from vllm_dspark.patches.wrapping import wrap
 
 SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
@@ -43,7 +44,7 @@ def _make_wrapper(rejection_sample):
             num_drafts, device=cu_num_logits.device
         )
         sampled, num_sampled = rejection_sample(*call.args, **call.kwargs)
-        num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
+        num_verified, _ = verification_counts(cu_num_logits, num_sampled)
         slots = call.arguments["idx_mapping"].long()
         confidence = conditional_confidence(speculator.slot_survival[slots])
         uniform = torch.rand(confidence.shape, device=confidence.device)
