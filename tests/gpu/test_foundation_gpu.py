@@ -3,13 +3,11 @@
 Set DSPARK_RESULTS_DIR to also write ``foundation_gpu.json`` there.
 """
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
+from gpu_results import write_result
 from subprocess_probe import run_probe, without_dspark_plugin
 
 LLM_PROBE = Path(__file__).with_name("llm_probe.py")
@@ -29,14 +27,10 @@ def test_dspark_output_is_stock_with_plugin_loaded(model_dirs):
     stock = run_probe(LLM_PROBE, json.dumps(spec), plugins=without_dspark_plugin())
     with_plugin = run_probe(LLM_PROBE, json.dumps(spec))
     identical = stock["token_ids"] == with_plugin["token_ids"]
-    results_dir = os.environ.get("DSPARK_RESULTS_DIR")
-    if results_dir:
-        record = {
-            "command": "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_foundation_gpu.py",
-            # The GPU machine gets a copy of the tree without .git: the caller names it.
-            "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0),
+    write_result(
+        "foundation_gpu.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_foundation_gpu.py",
+        {
             "setup": {
                 "target": "tiny Qwen3 (4 layers, hidden 256, vocab 4096), dummy weights",
                 "draft": "Qwen3DSparkModel, 1 layer, k=7, standard rejection sampling",
@@ -54,8 +48,8 @@ def test_dspark_output_is_stock_with_plugin_loaded(model_dirs):
                 "spec_decode_plugin": with_plugin["spec_decode"],
                 "engine_load_s": {"stock": stock["load_s"], "plugin": with_plugin["load_s"]},
             },
-        }
-        Path(results_dir, "foundation_gpu.json").write_text(json.dumps(record, indent=2))
+        },
+    )
     assert not stock["patched"] and with_plugin["patched"]
     assert all(len(ids) == MAX_TOKENS for ids in stock["token_ids"])
     assert stock["spec_decode"]["drafts"] > 0

@@ -10,13 +10,12 @@ no speculation, and do what they are for.
 Set DSPARK_RESULTS_DIR to also write ``fp8_pair.json`` there.
 """
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_results import write_result
 from subprocess_probe import run_probe
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
@@ -57,18 +56,15 @@ _results: dict = {}
 def _record(name: str, value) -> None:
     """Collect a result; written to DSPARK_RESULTS_DIR/fp8_pair.json as tests finish."""
     _results[name] = value
-    results_dir = os.environ.get("DSPARK_RESULTS_DIR")
-    if results_dir:
-        record = {
-            "command": "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_pair_arms_gpu.py",
-            "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0),
+    write_result(
+        "fp8_pair.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_pair_arms_gpu.py",
+        {
             "setup": f"embedded pair, {NUM_PROMPTS} held-out prompts, {MAX_TOKENS} tokens, "
             "greedy, bf16, k=7",
             **_results,
-        }
-        Path(results_dir, "fp8_pair.json").write_text(json.dumps(record, indent=2))
+        },
+    )
 
 
 @torch.no_grad()

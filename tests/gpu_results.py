@@ -1,0 +1,26 @@
+"""Where a GPU test writes what it measured: ``DSPARK_RESULTS_DIR`` (unset: nowhere)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+
+def write_result(filename: str, command: str, record: dict) -> None:
+    """``record`` under the command, commit, date and device, as ``filename`` in
+    ``DSPARK_RESULTS_DIR``. The GPU machine gets a copy of the tree without its git
+    history: the caller names the commit in ``DSPARK_COMMIT``."""
+    results_dir = os.environ.get("DSPARK_RESULTS_DIR")
+    if not results_dir:
+        return
+    import torch
+
+    header = {
+        "command": command,
+        "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+    }
+    Path(results_dir, filename).write_text(json.dumps(header | record, indent=2))
