@@ -85,10 +85,16 @@ class AdmissionCounts:
     proposed: int = 0
     admitted: int = 0
     num_drafts: int = 0  # K
+    steps: int = 0
+    graph_steps: int = 0  # of those steps, replayed from a FULL CUDA graph
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
-            self.proposed - other.proposed, self.admitted - other.admitted, self.num_drafts
+            self.proposed - other.proposed,
+            self.admitted - other.admitted,
+            self.num_drafts,
+            self.steps - other.steps,
+            self.graph_steps - other.graph_steps,
         )
 
     @property
@@ -104,6 +110,8 @@ def _worker_admission(worker) -> dict:
         "proposed": getattr(speculator, "drafts_proposed", 0),
         "admitted": getattr(speculator, "drafts_admitted", 0),
         "num_drafts": speculator.num_speculative_steps,
+        "steps": getattr(speculator, "compacted_steps", 0),
+        "graph_steps": getattr(speculator, "graph_steps", 0),
     }
 
 

@@ -78,6 +78,7 @@ def test_compacted_batch_verifies_the_budgets_best_prefixes(speculator):
     assert compact.logits_indices.tolist() == list(range(9))
     assert compact.num_draft_tokens == budget
     assert speculator.drafts_admitted == budget and speculator.drafts_proposed == num_reqs * K
+    assert (speculator.compacted_steps, speculator.graph_steps) == (1, 0)
 
 
 def scheduler_output(counts, drafts, structured=False):
@@ -255,3 +256,85 @@ def test_ranks_fed_alike_decide_alike(engine_config, model_dirs):
             rank.record_proposal(survival)
         (budget_a, capacity_a), (budget_b, capacity_b) = decisions
         assert budget_a == budget_b and torch.equal(capacity_a, capacity_b), step
+
+
+def test_compact_graphs_cover_every_reachable_size_smallest_first():
+    from vllm_dspark.verify.compact_graphs import compact_graph_descriptors, pick_compact_graph
+
+    # 4 requests of up to 1 + 7 tokens: at most 32 tokens, whatever the capture sizes.
+    descs = compact_graph_descriptors([64, 1, 8, 16, 32, 8], 4, K, 512)
+    assert [(d.num_tokens, d.num_reqs) for d in descs] == [(8, 4), (16, 4), (32, 4)]
+    assert all(d.uniform_token_count is None and d.cg_mode.name == "FULL" for d in descs)
+    captured = set(descs[1:])
+    assert pick_compact_graph(descs, captured, num_reqs=3, num_tokens=9) == descs[1]
+    assert pick_compact_graph(descs, captured, num_reqs=1, num_tokens=2) == descs[1]
+    assert pick_compact_graph(descs, captured, num_reqs=4, num_tokens=33) is None
+    assert pick_compact_graph(descs, set(), num_reqs=1, num_tokens=2) is None
+    # vLLM's largest captured size bounds them too.
+    assert compact_graph_descriptors([8, 16, 32], 256, K, 16)[-1].num_tokens == 16
+
+
+def fake_graph_manager(mode, dp_size=1):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    decode = BatchExecutionDescriptor(CUDAGraphMode.FULL, 16, 2, uniform_token_count=1 + K)
+    return SimpleNamespace(
+        cudagraph_mode=mode,
+        dp_size=dp_size,
+        decode_query_len=1 + K,
+        max_num_reqs=4,
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=[8, 16, 32], max_cudagraph_capture_size=32
+        ),
+        _capture_descs={CUDAGraphMode.FULL: [decode]},
+        graphs={},
+    )
+
+
+def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compact_steps():
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_dspark.patches import compact_verification as patch
+
+    manager = fake_graph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    patch._make_candidates_wrapper(lambda m: None)(manager)
+    full = manager._capture_descs[CUDAGraphMode.FULL]
+    assert [(d.num_tokens, d.uniform_token_count) for d in full] == [
+        (32, None),
+        (16, 1 + K),
+        (16, None),
+        (8, None),
+    ]
+    compact = getattr(manager, patch.COMPACT_GRAPHS_ATTR)
+    manager.graphs = dict.fromkeys(full)  # captured
+
+    calls = []
+
+    def stock_dispatch(manager, num_reqs, num_tokens, uniform, *args, **kw):
+        calls.append((num_reqs, num_tokens, uniform))
+        return "stock", None
+
+    dispatch = patch._make_dispatch_wrapper(stock_dispatch)
+    # Not a compacted step: vLLM's dispatch, untouched.
+    assert dispatch(manager, 2, 16, 1 + K, 1, 0, need_eager=False)[0] == "stock"
+    token = patch._step_budget_var.set(5)  # 2 requests, 5 drafts admitted: 7 tokens
+    try:
+        assert dispatch(manager, 2, 16, 1 + K, 1, 0, need_eager=False) == (compact[0], None)
+        # Profiling runs eager: vLLM's dispatch, for the compact token count.
+        assert dispatch(manager, 2, 16, 1 + K, 1, 0, need_eager=True)[0] == "stock"
+    finally:
+        patch._step_budget_var.reset(token)
+    assert calls == [(2, 16, 1 + K), (2, 7, None)]
+
+
+@pytest.mark.parametrize("mode,dp_size", [("PIECEWISE", 1), ("FULL_AND_PIECEWISE", 2)])
+def test_no_compact_graphs_without_full_decode_graphs_or_with_data_parallelism(mode, dp_size):
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_dspark.patches import compact_verification as patch
+
+    manager = fake_graph_manager(CUDAGraphMode[mode], dp_size)
+    patch._make_candidates_wrapper(lambda m: None)(manager)
+    assert len(manager._capture_descs[CUDAGraphMode.FULL]) == 1
+    assert not hasattr(manager, patch.COMPACT_GRAPHS_ATTR)

@@ -34,6 +34,7 @@ def test_admitted_per_request_counts_compacted_steps_only():
     from vllm_dspark.metrics import AdmissionCounts
 
     before = AdmissionCounts(proposed=70, admitted=30, num_drafts=7)
-    after = AdmissionCounts(proposed=70 + 4 * 7, admitted=30 + 10, num_drafts=7)
+    after = AdmissionCounts(proposed=70 + 4 * 7, admitted=30 + 10, num_drafts=7, steps=2)
     assert (after - before).admitted_per_request == 10 / 4  # 4 request-steps, 10 drafts
+    assert (after - before).steps == 2
     assert AdmissionCounts(num_drafts=7).admitted_per_request == 7.0  # nothing compacted

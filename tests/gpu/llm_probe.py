@@ -3,11 +3,12 @@
 Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
 (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
 "max_tokens", optional "gpu_memory_utilization"}. Prints one JSON line: the token ids per
-prompt, the spec-decode counts, the run's tokens per second, and whether vllm-dspark's
-patches were applied.
+prompt, the spec-decode counts, the plugin's admission counts (compacted steps), the run's
+tokens per second, and whether vllm-dspark's patches were applied.
 """
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -17,13 +18,15 @@ def main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dspark.metrics import SpecDecodeCounts
+    from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts
     from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
 
     speculative = None
     if spec["draft"]:
         speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
         speculative.update(spec.get("options", {}))
+        # admission_counts() reads the speculator's counters in the worker.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     start = time.perf_counter()
     llm = LLM(
         model=spec["target"],
@@ -41,11 +44,16 @@ def main(spec: dict) -> None:
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
-    before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+
+    def admission() -> AdmissionCounts:
+        return admission_counts(llm) if speculative else AdmissionCounts()
+
+    before, admitted_before = SpecDecodeCounts.from_metrics(llm.get_metrics()), admission()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+    admitted = admission() - admitted_before
     token_ids = [list(out.outputs[0].token_ids) for out in outputs]
     print(
         "PROBE "
@@ -53,6 +61,7 @@ def main(spec: dict) -> None:
             {
                 "token_ids": token_ids,
                 "spec_decode": asdict(counts),
+                "admission": asdict(admitted),
                 "acceptance_length": counts.acceptance_length if counts.drafts else None,
                 "tok_s": sum(map(len, token_ids)) / seconds,
                 "patched": hasattr(EngineArgs.create_speculative_config, ORIGINAL_ATTR),

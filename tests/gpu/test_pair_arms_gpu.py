@@ -2,7 +2,8 @@
 no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
-  curve) keeps greedy outputs identical to no speculation;
+  curve) keeps greedy outputs identical to no speculation, and its compacted steps replay
+  FULL CUDA graphs (every batch of this test fits the largest captured size);
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's.
@@ -142,6 +143,8 @@ def test_capacity_modes_are_lossless(arms, mode):
     # and fewer verified drafts mean fewer accepted per step.
     assert 0 < capped["accepted_tokens"] / capped["drafts"]
     assert capped["accepted_tokens"] / capped["drafts"] < fixed["accepted_tokens"] / fixed["drafts"]
+    admission = arms[mode]["admission"]
+    assert admission["steps"] > 0 and admission["graph_steps"] == admission["steps"]
 
 
 def test_fp8_draft_head_is_lossless_and_keeps_acceptance(arms):

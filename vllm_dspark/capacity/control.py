@@ -58,6 +58,8 @@ class CapacityControl:
             self.stale_accepted = StalePerRequest(device, float(num_drafts))
         self.drafts_proposed = 0  # in compacted steps, for the admitted share
         self.drafts_admitted = 0
+        self.compacted_steps = 0
+        self.graph_steps = 0  # compacted steps replayed from a FULL CUDA graph
         if self.controls_capacity:
             _check_compaction_supported(vllm_config)
 
@@ -80,9 +82,11 @@ class CapacityControl:
             return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
         return budget_capacity(self.slot_survival[slots], budget)
 
-    def record_admission(self, num_reqs: int, budget: int) -> None:
+    def record_admission(self, num_reqs: int, budget: int, from_graph: bool) -> None:
         self.drafts_proposed += num_reqs * self.num_speculative_steps
         self.drafts_admitted += budget
+        self.compacted_steps += 1
+        self.graph_steps += from_graph
 
     def record_verification(self, num_verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After a real step's verification (:func:`verification_counts`): the accepted

@@ -3,10 +3,15 @@
 What: wraps three names of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``):
 ``GPUModelRunner.execute_model``, where the step's admission budget B is decided on the
 host; ``dispatch_cg_and_sync_dp``, which picks the CUDA graph from the step's token
-count; and ``GPUModelRunner.prepare_inputs``. In a decode-only step (every request with
-its K drafts) of a runner whose speculator controls capacity, the dispatch is asked for
-the compact R + B tokens instead of R * (1 + K); after the stock input preparation the
-batch is rewritten on the GPU to the compact
+count; and ``GPUModelRunner.prepare_inputs``; and one of ``vllm.v1.worker.gpu.
+cudagraph_utils``: ``ModelCudaGraphManager._init_candidates``, which lists the target's
+graphs to capture. In a decode-only step (every request with its K drafts) of a runner
+whose speculator controls capacity, the dispatch is asked for the compact R + B tokens
+instead of R * (1 + K) and replays the smallest FULL variable-length graph that holds
+them (:mod:`vllm_dspark.verify.compact_graphs`; captured beside vLLM's own when its
+cudagraph mode has FULL decode graphs and data parallelism is off, else vLLM's
+mixed-batch dispatch applies); after the stock input preparation the batch is rewritten
+on the GPU to the compact
 layout of :mod:`vllm_dspark.verify.compaction` (input ids, positions, query offsets,
 sequence lengths, logits indices and the rejection sampler's per-request draft
 counts). The slot mappings and attention metadata are then derived by vLLM from the
@@ -30,11 +35,16 @@ from contextvars import ContextVar
 
 import numpy as np
 import torch
+from vllm.config.compilation import CUDAGraphMode
 
 from vllm_dspark.patches.wrapping import wrap
+from vllm_dspark.verify.compact_graphs import compact_graph_descriptors, pick_compact_graph
 from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
+# Set on the target's graph manager: its FULL variable-length descriptors, smallest first.
+COMPACT_GRAPHS_ATTR = "dspark_compact_graphs"
 # The admission budget of the step ``execute_model`` is running, if it is compacted.
 _step_budget_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_budget", default=None)
 
@@ -76,16 +86,49 @@ def _make_execute_wrapper(execute_model):
 def _make_dispatch_wrapper(dispatch):
     def dispatch_with_compaction(manager, num_reqs, num_tokens, uniform_token_count, *args, **kw):
         budget = _step_budget_var.get()
-        if budget is not None:
-            # Mixed-length queries from here on: no uniform-decode graph applies.
-            num_tokens, uniform_token_count = num_reqs + budget, None
-        return dispatch(manager, num_reqs, num_tokens, uniform_token_count, *args, **kw)
+        if budget is None:
+            return dispatch(manager, num_reqs, num_tokens, uniform_token_count, *args, **kw)
+        num_tokens = num_reqs + budget
+        if not kw.get("need_eager") and not kw.get("num_active_loras"):
+            graph = pick_compact_graph(
+                getattr(manager, COMPACT_GRAPHS_ATTR, ()), manager.graphs, num_reqs, num_tokens
+            )
+            if graph is not None:
+                return graph, None  # captured only without data parallelism: no DP sync
+        # Mixed-length queries: no uniform-decode graph applies.
+        return dispatch(manager, num_reqs, num_tokens, None, *args, **kw)
 
     return dispatch_with_compaction
 
 
-def compact_input_batch(runner, batch, budget: int):
-    """The stock uniform batch rewritten to its compact layout of R + budget tokens."""
+def _make_candidates_wrapper(init_candidates):
+    def init_candidates_with_compact_graphs(manager):
+        init_candidates(manager)
+        sizes = manager.compilation_config.cudagraph_capture_sizes
+        if (
+            manager.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL
+            or manager.dp_size > 1
+            or manager.decode_query_len < 2
+            or not sizes
+        ):
+            return
+        compact = compact_graph_descriptors(
+            sizes,
+            manager.max_num_reqs,
+            manager.decode_query_len - 1,
+            manager.compilation_config.max_cudagraph_capture_size,
+        )
+        full = manager._capture_descs.setdefault(CUDAGraphMode.FULL, [])
+        full += [desc for desc in compact if desc not in full]
+        full.sort(key=lambda desc: desc.num_tokens, reverse=True)  # vLLM's capture order
+        setattr(manager, COMPACT_GRAPHS_ATTR, compact)
+
+    return init_candidates_with_compact_graphs
+
+
+def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
+    """The stock uniform batch rewritten to its compact layout of R + budget tokens
+    (``from_graph``: the step replays a FULL graph, counted for the metrics)."""
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
     num_reqs = batch.num_reqs
@@ -102,7 +145,7 @@ def compact_input_batch(runner, batch, budget: int):
     buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
     buffers.query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
     buffers.seq_lens[:num_reqs].copy_(compact_seq_lens(buffers.seq_lens[:num_reqs], layout))
-    speculator.record_admission(num_reqs, budget)
+    speculator.record_admission(num_reqs, budget, from_graph)
     return dataclasses.replace(
         batch,
         num_tokens=num_tokens,
@@ -120,7 +163,9 @@ def _make_prepare_wrapper(prepare_inputs):
     def prepare_inputs_with_compaction(self, scheduler_output, batch_desc):
         batch = prepare_inputs(self, scheduler_output, batch_desc)
         budget = _step_budget_var.get()
-        return batch if budget is None else compact_input_batch(self, batch, budget)
+        if budget is None:
+            return batch
+        return compact_input_batch(self, batch, budget, batch_desc.cg_mode == CUDAGraphMode.FULL)
 
     return prepare_inputs_with_compaction
 
@@ -131,3 +176,5 @@ def apply() -> None:
     wrap(runner, "execute_model", _make_execute_wrapper)
     wrap(runner_module, "dispatch_cg_and_sync_dp", _make_dispatch_wrapper)
     wrap(runner, "prepare_inputs", _make_prepare_wrapper)
+    graph_manager = sys.modules[GRAPHS_MODULE].ModelCudaGraphManager
+    wrap(graph_manager, "_init_candidates", _make_candidates_wrapper)

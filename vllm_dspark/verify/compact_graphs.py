@@ -1,0 +1,43 @@
+"""FULL CUDA graphs for compacted verification steps, bucketed by total tokens.
+
+A compacted decode step runs R + B tokens with per-request query lengths chosen on the
+device (:mod:`vllm_dspark.verify.compaction`), so none of vLLM's uniform-decode graphs
+(every request 1 + K tokens) applies, and vLLM would fall back to its mixed-batch
+PIECEWISE graphs, running attention eagerly between the pieces. FlashAttention 3 reads
+query offsets, sequence lengths and its tile schedule from the persistent buffers the
+runner writes before a replay, so one FULL graph captured for T tokens and up to
+min(T, max_num_seqs) requests serves any compacted batch with R <= that many requests
+and R + B <= T tokens (padded requests get empty queries, padded tokens write nowhere).
+One graph per captured size T; a step takes the smallest that fits.
+"""
+
+from __future__ import annotations
+
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+
+def compact_graph_descriptors(
+    capture_sizes: list[int], max_num_reqs: int, num_drafts: int, max_capture_size: int
+) -> list[BatchExecutionDescriptor]:
+    """One FULL variable-length descriptor per capture size a compacted step can reach
+    (at least one request and one admitted draft), smallest first."""
+    most_tokens = min(max_num_reqs * (1 + num_drafts), max_capture_size)
+    return [
+        BatchExecutionDescriptor(
+            cg_mode=CUDAGraphMode.FULL, num_tokens=size, num_reqs=min(size, max_num_reqs)
+        )
+        for size in sorted(set(capture_sizes))
+        if 2 <= size <= most_tokens
+    ]
+
+
+def pick_compact_graph(
+    descriptors: list[BatchExecutionDescriptor], captured, num_reqs: int, num_tokens: int
+) -> BatchExecutionDescriptor | None:
+    """The smallest captured descriptor holding ``num_reqs`` requests and ``num_tokens``
+    tokens, or None (the step then runs as vLLM would run a mixed batch)."""
+    for desc in descriptors:
+        if desc.num_tokens >= num_tokens and desc.num_reqs >= num_reqs and desc in captured:
+            return desc
+    return None
