@@ -51,7 +51,7 @@ ARMS = {
         "dspark_confidence_threshold": 0.5,
         "dspark_varlen_verify": True,
     },
-    # dspark_sps_curve comes from --sps-curve.
+    # dspark_sps_curve: --sps-curve, else auto (profiled at start-up).
     "sps": {"dspark_capacity": "sps", "dspark_varlen_verify": True},
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
 }
@@ -148,7 +148,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rates", default=DEFAULT_RATES)
     parser.add_argument("--acceptance", choices=["rates", "confidence"], default="rates")
-    parser.add_argument("--sps-curve", help="curve JSON for the sps arm")
+    parser.add_argument("--sps-curve", help="curve JSON for the sps arm (default: auto)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -165,9 +165,7 @@ def main() -> int:
     rows = []
     for arm in args.arms.split(","):
         options = ARMS[arm]
-        if arm == "sps":
-            if not args.sps_curve:
-                parser.error("the sps arm needs --sps-curve")
+        if arm == "sps" and args.sps_curve:
             options = options | {"dspark_sps_curve": str(Path(args.sps_curve).resolve())}
         spec = {
             **paths,

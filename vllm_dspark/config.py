@@ -395,12 +395,6 @@ def check_implemented(options: DSparkOptions) -> None:
     missing = [
         f"{KEY_PREFIX}{name}" for name in sorted(set(options.non_default()) & NOT_IMPLEMENTED)
     ]
-    if options.capacity == "sps" and options.sps_curve == "auto":
-        missing.insert(
-            0,
-            f"{KEY_PREFIX}sps_curve='auto' (start-up profiling; pass a curve, e.g. the JSON "
-            "benchmarks/profile_dspark_sps_curve.py writes)",
-        )
     if missing:
         raise DSparkOptionError(
             f"vllm-dspark: {', '.join(missing)} not implemented in this version ({__version__})."

@@ -82,8 +82,6 @@ def run_doctor(out=print) -> bool:
     out("Options (--speculative-config key / environment variable, default):")
     for name, field in DSparkOptions.model_fields.items():
         state = "not implemented yet" if name in NOT_IMPLEMENTED else "available"
-        if name == "sps_curve":
-            state = "available as a list or file ('auto' profiling not implemented yet)"
         summary = " ".join(field.description.split()).split(". ")[0].rstrip(".")
         out(f"  {KEY_PREFIX}{name} / {ENV_PREFIX}{name.upper()}  default {field.default!r}")
         out(f"      {summary}.")

@@ -338,3 +338,53 @@ def test_no_compact_graphs_without_full_decode_graphs_or_with_data_parallelism(m
     patch._make_candidates_wrapper(lambda m: None)(manager)
     assert len(manager._capture_descs[CUDAGraphMode.FULL]) == 1
     assert not hasattr(manager, patch.COMPACT_GRAPHS_ATTR)
+
+
+def test_sps_auto_is_refused_where_no_full_decode_graph_will_be_captured(engine_config, model_dirs):
+    from vllm_dspark.config import DSparkOptionError
+
+    # This CPU platform captures no CUDA graphs, as enforce_eager would on a GPU.
+    with pytest.raises(DSparkOptionError, match="sps_curve='auto'.*Valid here: a curve"):
+        build_speculator(engine_config, model_dirs, dspark_capacity="sps")
+
+
+def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
+    from vllm_dspark.capacity.allocation import sps_table_from_curve
+    from vllm_dspark.patches import sps_autoprofile
+
+    curves = []
+    speculator = SimpleNamespace(
+        needs_sps_profile=True, set_sps_curve=lambda curve, device: curves.append(curve)
+    )
+    runner = SimpleNamespace(speculator=speculator, device="cpu")
+    monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [(8, 4.0), (64, 8.0)])
+    monkeypatch.setattr(sps_autoprofile, "slowest_rank", lambda rows: rows)
+    capture = sps_autoprofile._make_wrapper(lambda runner: 123)
+    assert capture(runner) == 123
+    assert curves == [[[8, 250.0], [64, 125.0]]]
+    assert not speculator.needs_sps_profile
+    assert capture(runner) == 123 and len(curves) == 1  # once
+    table = sps_table_from_curve(curves[0], 64)
+    assert table[36].item() == pytest.approx(187.5)
+    # No graph to time: a start-up error naming the option.
+    speculator.needs_sps_profile = True
+    monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [])
+    with pytest.raises(Exception, match="sps_curve='auto'"):
+        capture(runner)
+
+
+def test_sps_profile_times_the_captured_uniform_decode_graphs_only():
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    from vllm_dspark.capacity.sps_profile import decode_graph_shapes
+
+    graphs = {
+        BatchExecutionDescriptor(CUDAGraphMode.FULL, 16, 2, uniform_token_count=8): 0,
+        BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 1, uniform_token_count=8): 0,
+        BatchExecutionDescriptor(CUDAGraphMode.FULL, 16, 16): 0,  # compact / mixed
+        BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 32, None): 0,
+    }
+    runner = SimpleNamespace(cudagraph_manager=SimpleNamespace(graphs=graphs), decode_query_len=8)
+    assert decode_graph_shapes(runner) == [(8, 1), (16, 2)]
+    assert decode_graph_shapes(SimpleNamespace(cudagraph_manager=None)) == []

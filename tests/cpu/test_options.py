@@ -206,9 +206,9 @@ BAD_INPUTS = [
     (
         "not implemented",
         "dspark",
-        {"dspark_capacity": "sps", "dspark_varlen_verify": True},
+        {"dspark_capacity": "budget", "dspark_varlen_verify": True, "dspark_dynamic_depth": True},
         {},
-        ["dspark_sps_curve='auto'", "pass a curve", "not implemented in this version"],
+        ["dspark_dynamic_depth", "not implemented in this version"],
     ),
     (
         "synthetic confidence out of range",

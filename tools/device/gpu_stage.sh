@@ -14,8 +14,10 @@
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
 #   capacity-fixed / capacity-controlled
 #            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence:
-#            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps (vLLM; one call
-#            each, ~3 engines of ~150 s)
+#            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps with its curve
+#            profiled at start-up (vLLM; one call each, ~3 engines of ~110-190 s)
+#   capacity-embedded
+#            the same arms on the embedded pair (real verification; ~6 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
 # tested commit in the JSON results.
 set -u
@@ -71,8 +73,13 @@ case "$stage" in
     arms=nospec,dspark,dynamic-sd
     [ "$stage" = capacity-controlled ] && arms=budget,threshold,sps
     timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms "$arms" --concurrency 1,16,64,256 --sps-curve /tmp/sps_curve_qwen3_8b.json \
-      --out "$OUT/$stage.json" 2>&1 | quiet | tail -14
+      --arms "$arms" --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -14
+    ;;
+  capacity-embedded)
+    vllm_env
+    timeout 580 python3 benchmarks/offline_sweep.py --pair embedded \
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps --concurrency 1,16,64,256 \
+      --out "$OUT/$stage.json" 2>&1 | quiet | tail -26
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

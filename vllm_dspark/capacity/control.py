@@ -48,9 +48,12 @@ class CapacityControl:
         if options.capacity in ("threshold", "sps"):
             self.stale_budget = StalePerRequest(device, options.budget_frac * num_drafts)
         self.sps_table = None
-        if options.capacity == "sps":
-            max_tokens = self.max_num_reqs * (1 + num_drafts)
-            self.sps_table = sps_table_from_curve(options.sps_curve, max_tokens).to(device)
+        # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve).
+        self.needs_sps_profile = options.capacity == "sps" and options.sps_curve == "auto"
+        if self.needs_sps_profile:
+            _check_sps_profiling_possible(vllm_config)
+        elif options.capacity == "sps":
+            self.set_sps_curve(options.sps_curve, device)
         # acceptance: a depth from the mean accepted length of verified steps.
         self.acceptance = None
         if options.capacity == "acceptance":
@@ -62,6 +65,10 @@ class CapacityControl:
         self.graph_steps = 0  # compacted steps replayed from a FULL CUDA graph
         if self.controls_capacity:
             _check_compaction_supported(vllm_config)
+
+    def set_sps_curve(self, curve: list, device: torch.device) -> None:
+        max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
+        self.sps_table = sps_table_from_curve(curve, max_tokens).to(device)
 
     def admission_budget(self, num_reqs: int) -> int:
         """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
@@ -114,6 +121,20 @@ class CapacityControl:
         )
         if self.controls_capacity:
             _check_compaction_backends(target_attn_groups)
+
+
+def _check_sps_profiling_possible(vllm_config: VllmConfig) -> None:
+    """``auto`` times the target's FULL decode CUDA graphs: refuse when there are none."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or mode.decode_mode() != CUDAGraphMode.FULL:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}sps_curve='auto' profiles the target's FULL decode CUDA "
+            f"graphs at start-up, and this engine captures none (cudagraph_mode={mode}, "
+            "enforce_eager turns them off). Valid here: a curve, e.g. the JSON "
+            "benchmarks/profile_dspark_sps_curve.py writes."
+        )
 
 
 def _check_compaction_supported(vllm_config: VllmConfig) -> None:

@@ -37,6 +37,10 @@ def _make_wrapper(init_speculator):
             from vllm_dspark.patches import compact_verification
 
             compact_verification.apply()
+        if getattr(speculator, "needs_sps_profile", False):
+            from vllm_dspark.patches import sps_autoprofile
+
+            sps_autoprofile.apply()
         if getattr(speculator, "synthetic", None) is not None:
             from vllm_dspark.patches import calibrated_synthetic
 

@@ -1,0 +1,83 @@
+"""The target's steps per second against tokens per step (the SPS curve), timed in the
+worker from the runner's own decode path.
+
+For every FULL decode CUDA graph the runner captured (R requests of the runner's decode
+query length, T tokens in all), a dummy decode step goes through ``execute_model`` as
+vLLM's own warm-up runs do: host input preparation, attention metadata, the graph
+replay; then the LM head over the T tokens, as verification computes logits for every
+token. CUDA events around ``repeats`` back-to-back steps give the time per step (the
+host's preparation overlaps the GPU as in serving); the median of ``rounds`` such groups
+is kept. Dummy requests attend only their own query tokens, so the curve measures the
+weight-bound cost that dominates decode; long contexts lower SPS at large T further.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def decode_graph_shapes(runner) -> list[tuple[int, int]]:
+    """(tokens, requests) of each captured FULL uniform-decode graph, smallest first."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    manager = runner.cudagraph_manager
+    if manager is None:
+        return []
+    return sorted(
+        {
+            (desc.num_tokens, desc.num_reqs)
+            for desc in manager.graphs
+            if desc.cg_mode == CUDAGraphMode.FULL
+            and desc.uniform_token_count == runner.decode_query_len
+        }
+    )
+
+
+def _dummy_decode(num_tokens: int, num_reqs: int):
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    output.total_num_scheduled_tokens = num_tokens
+    output.num_scheduled_tokens = {f"_sps_{i}": num_tokens // num_reqs for i in range(num_reqs)}
+    return output
+
+
+def _decode_step(runner, scheduled, num_tokens: int) -> None:
+    runner.execute_model(scheduled, dummy_run=True)
+    hidden = runner.execute_model_state.hidden_states
+    runner.execute_model_state = None
+    runner.model.compute_logits(hidden[:num_tokens])
+
+
+@torch.inference_mode()
+def time_target_steps(
+    runner, warmup: int = 3, repeats: int = 10, rounds: int = 3
+) -> list[tuple[int, float]]:
+    """[(T, median ms per target step)] for every captured decode graph of the runner."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = []
+    runner.kv_connector.set_disabled(True)
+    try:
+        for num_tokens, num_reqs in decode_graph_shapes(runner):
+            scheduled = _dummy_decode(num_tokens, num_reqs)
+            for _ in range(warmup):
+                _decode_step(runner, scheduled, num_tokens)
+            times = []
+            for _ in range(rounds):
+                start.record()
+                for _ in range(repeats):
+                    _decode_step(runner, scheduled, num_tokens)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / repeats)
+            rows.append((num_tokens, statistics.median(times)))
+    finally:
+        runner.kv_connector.set_disabled(False)
+    return rows
+
+
+def curve_from_times(rows: list[tuple[int, float]]) -> list[list[float]]:
+    """[[T, steps per second]] from [(T, ms per step)]."""
+    return [[tokens, round(1000.0 / ms, 2)] for tokens, ms in rows]
