@@ -2,19 +2,25 @@
 # Bring stock vLLM 0.26.0 to a registry-less GPU machine in pieces small enough to travel
 # beside this repository (which carries the ~15 MB embedded model pair).
 #
-#   here:   bash tools/device/bundle.sh split BUNDLE PARTS   # after shared/device/build_vllm_bundle.sh
+#   here:   bash tools/device/bundle.sh split BUNDLE PARTS [XWHL]  # after shared/device/build_vllm_bundle.sh
 #   there:  bash tools/device/bundle.sh stash PARTS/partNN    # one call per part (carry it)
 #   there:  . tools/device/bundle.sh install                  # once all parts are stashed
 # A part travels as one carried folder of at most 40 MB; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
 # the wheel folder from them and installs vLLM under /tmp/vsite, then sets PYTHONPATH.
+# XWHL, optional, is a folder of extra wheels (e.g. .serve-whl: uvicorn and the rest that
+# `vllm serve` needs); they travel in the same stream as xwhl/ and install beside vLLM.
 set -u
 cmd=${1:?usage: bundle.sh split|stash|install ...}
 case "$cmd" in
   split)
-    bundle=${2:?bundle dir}; parts=${3:?parts dir}
+    bundle=${2:?bundle dir}; parts=${3:?parts dir}; xwhl=${4:-}; xw=()
+    if [ -n "$xwhl" ]; then
+      xw=($(cd "$xwhl" && ls *.whl)) || exit 1
+      xw=(-C "$(cd "$xwhl" && pwd)" --transform 's,^[^/]*\.whl$,xwhl/&,' "${xw[@]}")
+    fi
     rm -rf "$parts" && mkdir -p "$parts/stream"
-    tar -C "$bundle" -cf - p1/vllm_C.so.xz p2 | split -b 40M -d -a 2 - "$parts/stream/chunk"
+    tar -C "$bundle" -cf - p1/vllm_C.so.xz p2 "${xw[@]}" | split -b 40M -d -a 2 - "$parts/stream/chunk"
     for chunk in "$parts"/stream/chunk*; do
       n=${chunk##*chunk}; mkdir -p "$parts/part$n"; mv "$chunk" "$parts/part$n/"
     done
@@ -29,7 +35,9 @@ case "$cmd" in
       rm -rf /opt/vb/bundle "$site" && mkdir -p /opt/vb/bundle "$site"
       cat /opt/vb/parts/chunk* | tar -C /opt/vb/bundle -xf - || return 1 2>/dev/null || exit 1
       b=/opt/vb/bundle
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$b"/p2/whl/*.whl
+      xw=("$b"/xwhl/*.whl); [ -e "${xw[0]}" ] || xw=()
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+        "$b"/p2/whl/*.whl "${xw[@]}"
       tar -xJf "$b/p2/vllm_rest.tar.xz" -C "$site"
       xz -dc "$b/p1/vllm_C.so.xz" > "$site/vllm/_C_stable_libtorch.abi3.so"
       touch "$site/.complete"
