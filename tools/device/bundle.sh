@@ -8,8 +8,9 @@
 # A part travels as one carried folder of at most 40 MB; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
 # the wheel folder from them and installs vLLM under /tmp/vsite, then sets PYTHONPATH.
-# XWHL, optional, is a folder of extra wheels (e.g. .serve-whl: uvicorn and the rest that
-# `vllm serve` needs); they travel in the same stream as xwhl/ and install beside vLLM.
+# XWHL, optional, is a folder of extra wheels (e.g. .serve-whl, fetched as
+# tools/device/serve-wheels.txt says: what `vllm serve` needs beyond the bundle); they
+# travel in the same stream as xwhl/ and install beside vLLM.
 set -u
 cmd=${1:?usage: bundle.sh split|stash|install ...}
 case "$cmd" in
