@@ -53,6 +53,11 @@ ARMS = {
     },
     # dspark_sps_curve: --sps-curve, else auto (profiled at start-up).
     "sps": {"dspark_capacity": "sps", "dspark_varlen_verify": True},
+    "sps-depth": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+    },
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
 }
 
@@ -165,7 +170,7 @@ def main() -> int:
     rows = []
     for arm in args.arms.split(","):
         options = ARMS[arm]
-        if arm == "sps" and args.sps_curve:
+        if arm.startswith("sps") and args.sps_curve:
             options = options | {"dspark_sps_curve": str(Path(args.sps_curve).resolve())}
         spec = {
             **paths,

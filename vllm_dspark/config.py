@@ -13,7 +13,7 @@ Validation happens in three steps, all before the engine starts:
    that does not use them);
 2. :func:`check_against_speculative_config` checks them against the speculative
    config vLLM built (method, draft checkpoint);
-3. :func:`check_implemented` refuses options this version does not implement yet.
+3. :func:`check_implemented` refuses combinations this version does not implement.
 
 Every failure raises :class:`DSparkOptionError` naming the key, the bad value and
 the valid choices.
@@ -385,20 +385,8 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
         )
 
 
-# Options declared for the issues still to come; each leaves this set when it ships.
-NOT_IMPLEMENTED = frozenset({"dynamic_depth"})
-
-
 def check_implemented(options: DSparkOptions) -> None:
-    from vllm_dspark import __version__
-
-    missing = [
-        f"{KEY_PREFIX}{name}" for name in sorted(set(options.non_default()) & NOT_IMPLEMENTED)
-    ]
-    if missing:
-        raise DSparkOptionError(
-            f"vllm-dspark: {', '.join(missing)} not implemented in this version ({__version__})."
-        )
+    """Refuse combinations this version does not implement."""
     if options.capacity != "off" and not options.varlen_verify:
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}capacity={options.capacity!r} needs "

@@ -60,7 +60,6 @@ def run_doctor(out=print) -> bool:
     from vllm_dspark.config import (
         ENV_PREFIX,
         KEY_PREFIX,
-        NOT_IMPLEMENTED,
         DSparkOptionError,
         DSparkOptions,
         resolve_options,
@@ -81,11 +80,10 @@ def run_doctor(out=print) -> bool:
         checks.append(Check("VLLM_DSPARK_* environment", False, str(error)))
     out("Options (--speculative-config key / environment variable, default):")
     for name, field in DSparkOptions.model_fields.items():
-        state = "not implemented yet" if name in NOT_IMPLEMENTED else "available"
         summary = " ".join(field.description.split()).split(". ")[0].rstrip(".")
         out(f"  {KEY_PREFIX}{name} / {ENV_PREFIX}{name.upper()}  default {field.default!r}")
         out(f"      {summary}.")
-        out(f"      {state}; valid: {field.json_schema_extra['valid']}")
+        out(f"      valid: {field.json_schema_extra['valid']}")
     out("Checks:")
     for check in checks:
         mark = "ok " if check.ok else "NO "

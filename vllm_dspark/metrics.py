@@ -87,6 +87,8 @@ class AdmissionCounts:
     num_drafts: int = 0  # K
     steps: int = 0
     graph_steps: int = 0  # of those steps, replayed from a FULL CUDA graph
+    depth: int = 0  # sequential positions the drafter computes now (a gauge)
+    depth_changes: int = 0  # dspark_dynamic_depth's changes of depth
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -95,6 +97,8 @@ class AdmissionCounts:
             self.num_drafts,
             self.steps - other.steps,
             self.graph_steps - other.graph_steps,
+            self.depth,
+            self.depth_changes - other.depth_changes,
         )
 
     @property
@@ -112,6 +116,8 @@ def _worker_admission(worker) -> dict:
         "num_drafts": speculator.num_speculative_steps,
         "steps": getattr(speculator, "compacted_steps", 0),
         "graph_steps": getattr(speculator, "graph_steps", 0),
+        "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
+        "depth_changes": getattr(getattr(speculator, "physical_depth", None), "changes", 0),
     }
 
 

@@ -12,10 +12,15 @@ import inspect
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-from vllm_dspark.capacity.allocation import prefix_survival, verification_counts
+from vllm_dspark.capacity.allocation import (
+    UNCOMPUTED_SURVIVAL,
+    prefix_survival,
+    verification_counts,
+)
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
 from vllm_dspark.capacity.control import CapacityControl
@@ -47,6 +52,38 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
             )
             self.temperatures = torch.ones(self.num_speculative_steps, device=device)
         self._init_capacity(vllm_config, device)
+        # Sequential positions computed per proposal (dspark_dynamic_depth), and one draft
+        # graph manager per depth: switching depth replays another graph, never recaptures.
+        self.draft_depth = self.num_speculative_steps
+        self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        super().init_cudagraph_manager(cudagraph_mode)
+        if self.physical_depth is None:
+            return
+        full = self.query_cudagraph_manager
+        self._depth_graphs = {
+            depth: DFlashCudaGraphManager(
+                self.vllm_config,
+                self.device,
+                full.cudagraph_mode,
+                decode_query_len=self.num_query_per_req,
+            )
+            for depth in range(1, self.num_speculative_steps)
+        }
+        self._depth_graphs[self.num_speculative_steps] = full
+
+    def capture(self) -> None:
+        if self.physical_depth is None:
+            return super().capture()
+        for depth in self._depth_graphs:
+            self._use_depth(depth)
+            super().capture()
+        self._use_depth(self.physical_depth.depth)
+
+    def _use_depth(self, depth: int) -> None:
+        self.draft_depth = depth
+        self.query_cudagraph_manager = self._depth_graphs[depth]
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
@@ -78,6 +115,8 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         slots = input_batch.idx_mapping
         if real_step:
             self._observe_verification(input_batch, slots, call["num_sampled"])
+            if self.physical_depth is not None:
+                self._use_depth(self.physical_depth.depth)
         drafts = super().propose(*args, **kwargs)
         if self.has_confidence and real_step:
             survival = self.survival[: input_batch.num_reqs]
@@ -111,17 +150,19 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         token, and a greedy or Gumbel sample per position. Runs inside the captured
         draft graph.
         """
-        num_drafts = self.num_speculative_steps
+        num_drafts, depth = self.num_speculative_steps, self.draft_depth
         num_rows = num_reqs * num_drafts
-        hidden = head_hidden[self.sample_indices[:num_rows]]
+        # The first ``depth`` positions of each request (all K unless dynamic depth).
+        rows = self.sample_indices[:num_rows].view(num_reqs, num_drafts)[:, :depth]
+        hidden = head_hidden[rows.reshape(-1)]
         base = self.heads.dspark_logits(hidden)
-        base = base.view(num_reqs, num_drafts, base.shape[-1])
-        hidden = hidden.view(num_reqs, num_drafts, hidden.shape[-1])
+        base = base.view(num_reqs, depth, base.shape[-1])
+        hidden = hidden.view(num_reqs, depth, hidden.shape[-1])
         slots = self.sample_idx_mapping[:num_rows].view(num_reqs, num_drafts)
         positions = self.sample_pos[:num_rows].view(num_reqs, num_drafts)
         # Position 1's previous token is the anchor: the input id at query offset 0.
         previous = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]]
-        for step in range(num_drafts):
+        for step in range(depth):
             markov_embed = self.model.markov_embed(previous)
             logits = base[:, step] + self.heads.markov_bias(markov_embed)
             if self.confidence is not None:
@@ -153,12 +194,17 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
                 )
             self.draft_tokens[:num_reqs, step] = tokens
             previous = tokens
+        if depth < num_drafts:
+            # Positions not computed: a valid token id, never admitted (survival below all).
+            self.draft_tokens[:num_reqs, depth:] = previous.unsqueeze(1)
         if self.synthetic is not None:
             self.confidence_logits[:num_reqs] = self.synthetic.draw(num_reqs)
         if self.has_confidence:
             self.survival[:num_reqs] = prefix_survival(
                 self.confidence_logits[:num_reqs], self.temperatures
             )
+            if depth < num_drafts:
+                self.survival[:num_reqs, depth:] = UNCOMPUTED_SURVIVAL
 
 
 class DFlashPluginSpeculator(CapacityControl, DFlashSpeculator):

@@ -204,13 +204,6 @@ BAD_INPUTS = [
         ],
     ),
     (
-        "not implemented",
-        "dspark",
-        {"dspark_capacity": "budget", "dspark_varlen_verify": True, "dspark_dynamic_depth": True},
-        {},
-        ["dspark_dynamic_depth", "not implemented in this version"],
-    ),
-    (
         "synthetic confidence out of range",
         "dspark",
         {"dspark_synthetic_confidence": [0.8, 1.2]},

@@ -2,9 +2,9 @@
 no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
-  curve and with the curve profiled at start-up) keeps greedy outputs identical to no
-  speculation, and its compacted steps replay FULL CUDA graphs (every batch of this test
-  fits the largest captured size);
+  curve and with the curve profiled at start-up; budget with dynamic depth) keeps greedy
+  outputs identical to no speculation, and its compacted steps replay FULL CUDA graphs
+  (every batch of this test fits the largest captured size);
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's.
@@ -49,6 +49,12 @@ ARMS = {
         "dspark_varlen_verify": True,
         # Not this pair's curve: one whose optimum moves with the load, to exercise the mode.
         "dspark_sps_curve": [[1, 1000.0], [128, 900.0], [512, 400.0], [2048, 120.0]],
+    },
+    "budget-depth": {
+        "dspark_capacity": "budget",
+        "dspark_budget_frac": 0.5,
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
     },
     # The curve profiled at start-up from this GPU's graph replays.
     "sps-auto": {"dspark_capacity": "sps", "dspark_varlen_verify": True},
@@ -136,7 +142,7 @@ def arms():
     return Arms()
 
 
-@pytest.mark.parametrize("mode", ["budget", "threshold", "sps", "sps-auto"])
+@pytest.mark.parametrize("mode", ["budget", "budget-depth", "threshold", "sps", "sps-auto"])
 def test_capacity_modes_are_lossless(arms, mode):
     assert arms["dspark"]["token_ids"] == arms["nospec"]["token_ids"]
     fixed, capped = arms["dspark"]["spec_decode"], arms[mode]["spec_decode"]

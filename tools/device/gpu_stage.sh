@@ -16,6 +16,7 @@
 #            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence:
 #            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps with its curve
 #            profiled at start-up (vLLM; one call each, ~3 engines of ~110-190 s)
+#   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; ~6 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -74,6 +75,10 @@ case "$stage" in
     [ "$stage" = capacity-controlled ] && arms=budget,threshold,sps
     timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
       --arms "$arms" --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -14
+    ;;
+  depth)
+    vllm_env
+    timeout 400 python3 benchmarks/draft_depth_time.py --out "$OUT/depth_time.json" 2>&1 | quiet | tail -30
     ;;
   capacity-embedded)
     vllm_env

@@ -55,6 +55,11 @@ import math
 
 import torch
 
+# The survival of a draft position the drafter did not compute (dynamic depth): below every
+# real survival, so global admission ranks it last and a budget of at most R * depth never
+# reaches it; threshold counts never include it and sps never gains from it.
+UNCOMPUTED_SURVIVAL = -1.0
+
 
 def prefix_survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """s(r, k) = prod_{j<=k} sigmoid(z(r, j) / T_j), in fp32. [R, K] -> [R, K]."""

@@ -25,6 +25,7 @@ from vllm_dspark.capacity.allocation import (
     sps_table_from_curve,
     threshold_count,
 )
+from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 
@@ -35,6 +36,7 @@ class CapacityControl:
     options: DSparkOptions
     num_speculative_steps: int
     max_num_reqs: int
+    draft_depth: int  # positions the last proposal computed (DSpark with dynamic depth)
 
     def _init_capacity(self, vllm_config: VllmConfig, device: torch.device) -> None:
         options, num_drafts = self.options, self.num_speculative_steps
@@ -59,6 +61,11 @@ class CapacityControl:
         if options.capacity == "acceptance":
             self.acceptance = AcceptanceDepth(num_drafts)
             self.stale_accepted = StalePerRequest(device, float(num_drafts))
+        # dynamic_depth: sequential positions the drafter computes, from recent admissions.
+        self.physical_depth = None
+        if options.dynamic_depth:
+            self.physical_depth = PhysicalDepth(num_drafts)
+            self.stale_max_admitted = StalePerRequest(device, float(num_drafts))
         self.drafts_proposed = 0  # in compacted steps, for the admitted share
         self.drafts_admitted = 0
         self.compacted_steps = 0
@@ -74,6 +81,9 @@ class CapacityControl:
         """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
         num_drafts = self.num_speculative_steps
         cap = admission_budget(num_reqs, num_drafts, self.options.budget_frac)
+        if self.physical_depth is not None:
+            # The drafts being verified were computed to the depth of the last proposal.
+            cap = min(cap, num_reqs * self.draft_depth)
         if self.acceptance is not None:
             return num_reqs * self.acceptance.observe(self.stale_accepted.per_request())
         if self.stale_budget is None:
@@ -89,11 +99,18 @@ class CapacityControl:
             return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
         return budget_capacity(self.slot_survival[slots], budget)
 
-    def record_admission(self, num_reqs: int, budget: int, from_graph: bool) -> None:
+    def record_admission(
+        self, num_reqs: int, budget: int, from_graph: bool, capacity: torch.Tensor
+    ) -> None:
+        """After a compacted step's admission (``capacity``: k_r per request)."""
         self.drafts_proposed += num_reqs * self.num_speculative_steps
         self.drafts_admitted += budget
         self.compacted_steps += 1
         self.graph_steps += from_graph
+        if self.physical_depth is not None:
+            max_admitted = round(self.stale_max_admitted.per_request())
+            self.stale_max_admitted.record(capacity.max(), 1)
+            self.physical_depth.observe(num_reqs, max_admitted)
 
     def record_verification(self, num_verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After a real step's verification (:func:`verification_counts`): the accepted

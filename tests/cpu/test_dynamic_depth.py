@@ -1,0 +1,109 @@
+"""Dynamic physical depth in the DSpark drafter and in admission (CPU, fake draft model)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, budget_capacity
+from vllm_dspark.capacity.physical_depth import WINDOW_STEPS
+from vllm_dspark.speculator import DSparkPluginSpeculator
+
+K, R, H, V = 7, 3, 8, 50
+
+
+def fake_drafter(depth: int):
+    """Just what ``_sample_sequential`` reads: a linear LM head and Markov bias over a
+    small vocabulary, greedy drafting, a confidence head."""
+    gen = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(V, H, generator=gen)
+    markov = torch.randn(V, 4, generator=gen)
+    embed = torch.randn(V, 4, generator=gen)
+    rows_seen = []
+
+    def dspark_logits(hidden):
+        rows_seen.append(hidden.shape[0])
+        return hidden @ lm_head.T
+
+    return SimpleNamespace(
+        num_speculative_steps=K,
+        draft_depth=depth,
+        sample_indices=torch.arange(R * K),
+        sample_idx_mapping=torch.arange(R).repeat_interleave(K),
+        sample_pos=torch.arange(R * K),
+        input_buffers=SimpleNamespace(input_ids=torch.arange(100, 100 + R * K) % V),
+        _anchor_idx=torch.arange(R) * K,
+        model=SimpleNamespace(markov_embed=lambda t: embed[t], map_draft_to_target=lambda i: i),
+        heads=SimpleNamespace(
+            dspark_logits=dspark_logits,
+            markov_bias=lambda e: e @ markov.T,
+            dspark_greedy=lambda logits, hidden, embed: logits.argmax(dim=-1),
+        ),
+        confidence=lambda hidden, embed, logits: logits.max(dim=-1).values / 10,
+        draft_logits=None,
+        synthetic=None,
+        has_confidence=True,
+        confidence_logits=torch.zeros(R, K),
+        temperatures=torch.ones(K),
+        survival=torch.ones(R, K),
+        draft_tokens=torch.full((R, K), -1, dtype=torch.long),
+        rows_seen=rows_seen,
+    )
+
+
+def test_a_shallow_proposal_drafts_the_same_leading_tokens_and_admits_nothing_beyond():
+    hidden = torch.randn(R * K, H, generator=torch.Generator().manual_seed(1))
+    full, shallow = fake_drafter(K), fake_drafter(2)
+    DSparkPluginSpeculator._sample_sequential(full, R, hidden)
+    DSparkPluginSpeculator._sample_sequential(shallow, R, hidden)
+    # The LM head ran over R * depth rows only.
+    assert full.rows_seen == [R * K] and shallow.rows_seen == [R * 2]
+    assert torch.equal(shallow.draft_tokens[:, :2], full.draft_tokens[:, :2])
+    assert torch.equal(shallow.survival[:, :2], full.survival[:, :2])
+    # Beyond the depth: a valid token id (the last draft), and a survival below all.
+    assert torch.equal(shallow.draft_tokens[:, 2:], shallow.draft_tokens[:, 1:2].expand(R, 5))
+    assert (shallow.survival[:, 2:] == UNCOMPUTED_SURVIVAL).all()
+    assert (full.survival >= 0).all()
+    # Any budget of at most R * depth admits computed positions only, ties included.
+    survival = shallow.survival.clone()
+    survival[0, :2] = 0.0  # underflowed survivals still rank above uncomputed ones
+    for budget in range(1, R * 2 + 1):
+        assert (budget_capacity(survival, budget) <= 2).all()
+
+
+@pytest.mark.parametrize("frac,expected", [(1.0, 3 * 2), (0.2, 5)])
+def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
+    engine_config, model_dirs, frac, expected
+):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.config import DSparkOptions
+
+    config = engine_config(
+        {
+            "method": "dspark",
+            "model": model_dirs["dspark"],
+            "num_speculative_tokens": K,
+            "dspark_capacity": "budget",
+            "dspark_budget_frac": frac,
+            "dspark_varlen_verify": True,
+            "dspark_dynamic_depth": True,
+        }
+    )
+    with set_current_vllm_config(config):
+        speculator = DSparkPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    assert speculator.physical_depth is not None
+    assert speculator.admission_budget(3) == min(3 * K, -(-3 * K * frac // 1))
+    speculator.draft_depth = 2
+    assert speculator.admission_budget(3) == expected  # min(ceil(3 * 7 * frac), 3 * 2)
+    # Compacted steps feed the controller the admissions of the step before the last (the
+    # first two read the initial K, which keeps K for two windows).
+    for _ in range(2 * WINDOW_STEPS):
+        speculator.record_admission(3, 6, True, torch.tensor([2, 2, 1]))
+    assert speculator.physical_depth.depth == K
+    for _ in range(WINDOW_STEPS):
+        speculator.record_admission(3, 6, True, torch.tensor([2, 2, 1]))
+    assert speculator.physical_depth.depth == 2
+    assert speculator.graph_steps == speculator.compacted_steps == 3 * WINDOW_STEPS
