@@ -56,3 +56,13 @@ def test_ranks_fed_alike_fit_bit_identical_temperatures():
         )
         fits.append(temperatures)
     assert torch.equal(fits[0], fits[1])
+
+
+def test_warm_prompt_variants_are_cut_prompts_and_reproducible():
+    from online_sts_convergence import warm_prompts  # benchmarks/ is on the path
+
+    pool = [list(range(100 * i, 100 * i + 64)) for i in range(5)]
+    variants = warm_prompts(pool, 50, seed=3)
+    assert len(variants) == 50 and variants == warm_prompts(pool, 50, seed=3)
+    assert all(16 <= len(v) <= 64 and v == pool[v[0] // 100][: len(v)] for v in variants)
+    assert len({len(v) for v in variants}) > 10 and variants != warm_prompts(pool, 50, seed=4)

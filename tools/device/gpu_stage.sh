@@ -17,6 +17,8 @@
 #            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps with its curve
 #            profiled at start-up (vLLM; one call each, ~3 engines of ~110-190 s)
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
+#   sts      online STS from temperature 1 on the embedded pair, then the held-out
+#            prompts against no speculation (vLLM; two engines, float32)
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; ~6 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -79,6 +81,10 @@ case "$stage" in
   depth)
     vllm_env
     timeout 400 python3 benchmarks/draft_depth_time.py --out "$OUT/depth_time.json" 2>&1 | quiet | tail -30
+    ;;
+  sts)
+    vllm_env; use_recalibrated
+    timeout 500 python3 benchmarks/online_sts_convergence.py --out "$OUT/online_sts.json" 2>&1 | quiet | tail -20
     ;;
   capacity-embedded)
     vllm_env

@@ -1,0 +1,158 @@
+"""Online Sequential Temperature Scaling from temperature 1, on the embedded pair.
+
+    python benchmarks/online_sts_convergence.py --out online_sts.json
+
+One engine: DSpark k=7 with every draft verified (``budget`` 1.0, so calibration sees
+every position uncensored), the confidence head started at temperature 1
+(``dspark_confidence_temperature``), ``dspark_online_sts`` and the calibration metrics
+on. It serves chunks of prompts (variants of held-out prompts 200-255, cut at varying
+lengths) at --concurrency until online STS has observed --steps steps, recording after
+each chunk the steps so far, the temperatures and the per-position ECE of that chunk's
+verifications (survival, 15 bins); then it serves the 200 held-out prompts of the demo
+as the evaluation window. A second engine without speculation serves the same 200
+prompts: greedy outputs must be identical. Both engines in --dtype (float32 by default,
+so that bf16 ties do not blur the comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+K = 7
+
+
+def _reset_calibration(worker) -> None:
+    from vllm_dspark.capacity.calibration_stats import CalibrationStats
+
+    speculator = worker.model_runner.speculator
+    speculator.calibration = CalibrationStats(speculator.num_speculative_steps, speculator.device)
+
+
+def _sts_state(worker) -> dict:
+    speculator = worker.model_runner.speculator
+    return {
+        "steps": speculator.online_sts.steps,
+        "refits": speculator.online_sts.refits,
+        "temperatures": [round(t, 4) for t in speculator.temperatures.tolist()],
+    }
+
+
+def warm_prompts(prompts: list[list[int]], count: int, seed: int) -> list[list[int]]:
+    """``count`` variants of ``prompts``, each cut to a random length of at least 16."""
+    rng = random.Random(seed)
+    return [prompt[: rng.randint(16, len(prompt))] for prompt in rng.choices(prompts, k=count)]
+
+
+def serve(llm, prompts, max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def make_llm(pair: Path, speculative: dict | None, args):
+    from vllm import LLM
+
+    return LLM(
+        model=str(pair / "target"),
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        seed=0,
+        max_model_len=2048,
+        max_num_seqs=args.concurrency,
+        gpu_memory_utilization=0.1,
+        # Chunks reuse prompts; the drafter's context must come from the target each time.
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        speculative_config=speculative,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=64, help="prompts per warm chunk")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
+    from vllm_dspark.metrics import confidence_calibration
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # calls into the worker
+    held_out = load_prompts(EMBEDDED_PAIR, 256)
+    evaluation, pool = held_out[:200], held_out[200:]
+    llm = make_llm(
+        EMBEDDED_PAIR,
+        {
+            "method": "dspark",
+            "model": str(EMBEDDED_PAIR / "draft"),
+            "num_speculative_tokens": K,
+            "dspark_capacity": "budget",
+            "dspark_budget_frac": 1.0,
+            "dspark_varlen_verify": True,
+            "dspark_confidence_temperature": [1.0] * K,
+            "dspark_online_sts": True,
+            "dspark_confidence_metrics": True,
+        },
+        args,
+    )
+    chunks = []
+    while True:
+        state = llm.collective_rpc(_sts_state)[0]
+        if state["steps"] >= args.steps:
+            break
+        llm.collective_rpc(_reset_calibration)
+        serve(llm, warm_prompts(pool, args.chunk, seed=len(chunks)), args.max_tokens)
+        ece = confidence_calibration(llm)["prefix"]["ece"]
+        chunks.append({**llm.collective_rpc(_sts_state)[0], "chunk_ece": ece})
+        print(json.dumps(chunks[-1]), flush=True)
+    llm.collective_rpc(_reset_calibration)
+    online = serve(llm, evaluation, args.max_tokens)
+    calibration = confidence_calibration(llm)
+    final = llm.collective_rpc(_sts_state)[0]
+    del llm
+    gc.collect()
+    reference = serve(make_llm(EMBEDDED_PAIR, None, args), evaluation, args.max_tokens)
+
+    import torch
+
+    identical = sum(a == b for a, b in zip(online, reference, strict=True))
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "setup": f"embedded pair, k={K}, {args.dtype}, concurrency {args.concurrency}, "
+        "budget 1.0, temperatures started at 1",
+        "warm_chunks": chunks,
+        "evaluation": {
+            "steps_before": state["steps"],
+            "steps_after": final["steps"],
+            "temperatures": final["temperatures"],
+            "ece": calibration["prefix"]["ece"],
+            "auroc": calibration["prefix"]["auroc"],
+            "conditional_ece": calibration["conditional"]["ece"],
+            "max_ece": max(calibration["prefix"]["ece"]),
+        },
+        "greedy_identical_prompts": identical,
+        "greedy_identical": identical == len(evaluation),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2))
+    print(json.dumps(record["evaluation"]), f"identical {identical}/{len(evaluation)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
