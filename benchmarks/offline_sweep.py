@@ -10,8 +10,9 @@ run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived fr
 ``--rates`` (per-position unconditional acceptance): ``--acceptance rates`` is vLLM's own
 (one fixed rate per position), ``--acceptance confidence`` draws per-draft confidences
 around the same conditional rates and accepts each draft with its confidence
-(``dspark_synthetic_confidence``: what capacity control needs). ``--pair embedded`` uses
-the trained pair with real verification.
+(``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have no
+confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with real
+verification (DSpark arms only).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ ARMS = {
         "dspark_dynamic_depth": True,
     },
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
+    # DFlash (no confidence head): fixed depth, and the acceptance-length controller.
+    "dflash": {"method": "dflash"},
+    "dflash-acceptance": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+    },
 }
 
 
@@ -75,17 +83,20 @@ def run_arm_here(spec: dict) -> None:
 
     speculative = None
     if spec["options"] is not None:
-        speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
+        options = dict(spec["options"])
+        method = options.pop("method", "dspark")
+        draft = spec["draft"] if method == "dspark" else spec["dflash"]
+        speculative = {"method": method, "model": draft, "num_speculative_tokens": 7}
         if spec["dummy"]:
             rates = [float(r) for r in spec["rates"].split(",")][:7]
-            if spec["acceptance"] == "confidence":
+            if spec["acceptance"] == "confidence" and method == "dspark":
                 speculative["dspark_synthetic_confidence"] = conditional_rates(rates)
             else:
                 speculative |= {
                     "rejection_sample_method": "synthetic",
                     "synthetic_acceptance_rates": rates,
                 }
-        speculative |= spec["options"]
+        speculative |= options
         # admission_counts() reads the speculator's counters in the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
@@ -165,6 +176,7 @@ def main() -> int:
         from vllm_dspark.demo import EMBEDDED_PAIR
 
         paths = {name: str(EMBEDDED_PAIR / name) for name in ("target", "draft")}
+        paths["dflash"] = None  # the embedded pair has no DFlash drafter
     else:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()))
     rows = []

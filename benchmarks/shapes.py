@@ -1,4 +1,5 @@
-"""Config-only Qwen3 target and DSpark draft checkpoints of a named shape (dummy weights)."""
+"""Config-only Qwen3 target, DSpark and DFlash draft checkpoints of a named shape (dummy
+weights)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ SHAPES = {
 
 
 def write_shape(shape: str, root: Path, draft_layers: int = 2, block: int = 7) -> dict[str, str]:
-    """Write ``target/`` and ``draft/`` config folders under ``root``; return their paths."""
+    """Write ``target/``, ``draft/`` (DSpark) and ``dflash/`` config folders under ``root``;
+    return their paths by those names."""
     hidden, layers, heads, kv_heads, head_dim, ffn, vocab = SHAPES[shape]
     common = dict(
         model_type="qwen3",
@@ -48,6 +50,12 @@ def write_shape(shape: str, root: Path, draft_layers: int = 2, block: int = 7) -
             dflash_config={"mask_token_id": vocab - 1, "target_layer_ids": taps},
         ),
     }
+    # DFlash: the same parallel drafter without DSpark's Markov and confidence heads.
+    configs["dflash"] = {
+        key: value
+        for key, value in configs["draft"].items()
+        if not key.startswith("markov") and key != "enable_confidence_head"
+    } | {"architectures": ["DFlashDraftModel"]}
     paths = {}
     for name, config in configs.items():
         folder = root / shape / name

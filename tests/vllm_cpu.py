@@ -38,8 +38,6 @@ def write_model_dirs(root: Path) -> dict[str, str]:
     variants = {
         "dspark": dict(draft, enable_confidence_head=True),
         "dspark_no_confidence": draft,
-        "dflash": {k: v for k, v in draft.items() if not k.startswith("markov")}
-        | {"architectures": ["DFlashDraftModel"]},
     }
     for name, config in variants.items():
         folder = root / name

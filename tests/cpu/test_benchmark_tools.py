@@ -70,17 +70,18 @@ def test_offline_sweep_arms_build_engine_configs(engine_config, model_dirs, tmp_
     for arm, options in offline_sweep.ARMS.items():
         if options is None:
             continue
-        if arm == "sps":
+        if arm.startswith("sps"):
             options = options | {"dspark_sps_curve": str(curve)}
         if "dspark_fp8_draft_head" in options:
             continue  # checked against the GPU when the draft loads
-        config = engine_config(
-            {
-                "method": "dspark",
-                "model": model_dirs["dspark_no_confidence"],
-                "num_speculative_tokens": 7,
-                "dspark_synthetic_confidence": conditional,
-                **options,
-            }
-        )
+        options = dict(options)
+        if options.pop("method", "dspark") == "dflash":
+            # No confidence head: vLLM's synthetic rates.
+            base = {"method": "dflash", "model": model_dirs["dflash"]}
+            base |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": rates}
+        else:
+            base = {"method": "dspark", "model": model_dirs["dspark_no_confidence"]}
+            base["dspark_synthetic_confidence"] = conditional
+        config = engine_config({**base, "num_speculative_tokens": 7, **options})
         assert config.speculative_config.num_speculative_tokens == 7, arm
+        assert config.speculative_config.method == base["method"], arm

@@ -17,6 +17,8 @@
 #            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps with its curve
 #            profiled at start-up (vLLM; one call each, ~3 engines of ~110-190 s)
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
+#   dflash   DFlash fixed k=7 against its acceptance-length controller and no speculation,
+#            Qwen3-8B shape, vLLM's synthetic acceptance (vLLM; three engines)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   capacity-embedded
@@ -81,6 +83,11 @@ case "$stage" in
   depth)
     vllm_env
     timeout 400 python3 benchmarks/draft_depth_time.py --out "$OUT/depth_time.json" 2>&1 | quiet | tail -30
+    ;;
+  dflash)
+    vllm_env
+    timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance \
+      --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet | tail -14
     ;;
   sts)
     vllm_env; use_recalibrated
