@@ -2,9 +2,10 @@
 
 Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
 (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
-"max_tokens", optional "gpu_memory_utilization"}. Prints one JSON line: the token ids per
-prompt, the spec-decode counts, the plugin's admission counts (compacted steps), the run's
-tokens per second, and whether vllm-dspark's patches were applied.
+"max_tokens", optional "gpu_memory_utilization", "dtype", "enable_prefix_caching"}.
+Prints one JSON line: the token ids per prompt, the spec-decode counts, the plugin's
+admission counts (compacted steps), the run's tokens per second, and whether vllm-dspark's
+patches were applied.
 """
 
 import json
@@ -36,6 +37,7 @@ def main(spec: dict) -> None:
         max_model_len=1024,
         max_num_seqs=64,
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
+        enable_prefix_caching=spec.get("enable_prefix_caching"),
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative,

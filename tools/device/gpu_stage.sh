@@ -17,6 +17,7 @@
 #            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps with its curve
 #            profiled at start-up (vLLM; one call each, ~3 engines of ~110-190 s)
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
+#   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
 #   dflash   DFlash fixed k=7 against its acceptance-length controller and no speculation,
 #            Qwen3-8B shape, vLLM's synthetic acceptance (vLLM; three engines)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
@@ -83,6 +84,10 @@ case "$stage" in
   depth)
     vllm_env
     timeout 400 python3 benchmarks/draft_depth_time.py --out "$OUT/depth_time.json" 2>&1 | quiet | tail -30
+    ;;
+  prefix)
+    vllm_env; use_recalibrated
+    timeout 560 python3 -m pytest tests/gpu/test_prefix_cache_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
     ;;
   dflash)
     vllm_env
