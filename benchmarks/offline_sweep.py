@@ -1,4 +1,4 @@
-"""Offline throughput of several arms at several concurrencies, one engine per arm.
+"""Offline throughput of several arms at several concurrencies.
 
     python benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dspark,dspark-fp8 \
         --concurrency 1,16 --out benchmarks/results/fp8_e2e.json
@@ -12,7 +12,10 @@ run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived fr
 around the same conditional rates and accepts each draft with its confidence
 (``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have no
 confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with real
-verification (DSpark arms only).
+verification (DSpark arms only). ``--shared-engine`` runs the DSpark capacity arms in one
+engine, started with what they all need and switched between arms
+(:mod:`vllm_dspark.engine_control`); their rows name that engine. The JSON is written after
+every engine, so a later failure keeps the rows already measured.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one JSON line each."""
     from vllm import LLM, SamplingParams
 
+    from vllm_dspark.engine_control import switch_capacity
     from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts
 
     speculative = None
@@ -129,30 +133,52 @@ def run_arm_here(spec: dict) -> None:
     def admission() -> AdmissionCounts:
         return admission_counts(llm) if speculating else AdmissionCounts()
 
-    for concurrency in spec["concurrency"]:
-        before = SpecDecodeCounts.from_metrics(llm.get_metrics())
-        admitted_before = admission()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
-        admitted = admission() - admitted_before
-        tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-        print(
-            "ROW "
-            + json.dumps(
-                {
-                    "concurrency": concurrency,
-                    "tok_s": round(tokens / seconds, 1),
-                    "acceptance_length": counts.acceptance_length if counts.drafts else None,
-                    # Per request and step, compacted steps only (else all K).
-                    "admitted_per_req": admitted.admitted_per_request if speculating else None,
-                    "admission": asdict(admitted),
-                    "spec_decode": asdict(counts),
-                }
-            ),
-            flush=True,
-        )
+    # One arm, or (--shared-engine) several capacity arms switched in this engine.
+    for name, updates in spec.get("switch") or [[None, None]]:
+        if updates is not None:
+            switch_capacity(llm, **updates)
+            llm.generate(prompts(8, 1), params, use_tqdm=False)
+        for concurrency in spec["concurrency"]:
+            before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+            admitted_before = admission()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+            admitted = admission() - admitted_before
+            tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+            row = {
+                "concurrency": concurrency,
+                "tok_s": round(tokens / seconds, 1),
+                "acceptance_length": counts.acceptance_length if counts.drafts else None,
+                # Per request and step, compacted steps only (else all K).
+                "admitted_per_req": admitted.admitted_per_request if speculating else None,
+                "admission": asdict(admitted),
+                "spec_decode": asdict(counts),
+            }
+            print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
+
+
+def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, list]:
+    """Start-up options that prepare every capacity arm (compaction, depth graphs, the
+    SPS profile) and, per arm, the options switched to (``dspark_`` prefix dropped)."""
+    start = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True}
+    if sps_curve:
+        start["dspark_sps_curve"] = sps_curve
+    switch = []
+    for arm in arms:
+        updates = {"dynamic_depth": False} | {
+            key.removeprefix("dspark_"): value for key, value in ARMS[arm].items()
+        }
+        if arm.startswith("sps") and sps_curve:
+            updates["sps_curve"] = sps_curve
+        switch.append([arm, updates])
+    return start, switch
+
+
+def is_capacity_arm(arm: str) -> bool:
+    options = ARMS[arm]
+    return bool(options) and "dspark_capacity" in options and "method" not in options
 
 
 def main() -> int:
@@ -165,6 +191,11 @@ def main() -> int:
     parser.add_argument("--rates", default=DEFAULT_RATES)
     parser.add_argument("--acceptance", choices=["rates", "confidence"], default="rates")
     parser.add_argument("--sps-curve", help="curve JSON for the sps arm (default: auto)")
+    parser.add_argument(
+        "--shared-engine",
+        action="store_true",
+        help="run the DSpark capacity arms in one engine, switching options between them",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -179,16 +210,24 @@ def main() -> int:
         paths["dflash"] = None  # the embedded pair has no DFlash drafter
     else:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()))
+    curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
+    arms = args.arms.split(",")
+    runs = [[arm, ARMS[arm], None] for arm in arms]  # [label, start-up options, switches]
+    shared = [arm for arm in arms if args.shared_engine and is_capacity_arm(arm)]
+    if shared:
+        runs = [run for run in runs if run[0] not in shared]
+        runs.append(["+".join(shared), *shared_engine_plan(shared, curve)])
+    setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
     rows = []
-    for arm in args.arms.split(","):
-        options = ARMS[arm]
-        if arm.startswith("sps") and args.sps_curve:
-            options = options | {"dspark_sps_curve": str(Path(args.sps_curve).resolve())}
+    for label, options, switch in runs:
+        if label.startswith("sps") and curve and switch is None:
+            options = options | {"dspark_sps_curve": curve}
         spec = {
             **paths,
             "dummy": args.pair != "embedded",
             "acceptance": args.acceptance,
             "options": options,
+            "switch": switch,
             "rates": args.rates,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
@@ -200,14 +239,20 @@ def main() -> int:
             text=True,
             check=False,
         )
+        for line in done.stdout.splitlines():
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                engine = {"engine": label} if switch else {}
+                rows.append({"setup": setup, "arm": row.pop("arm", label), **engine, **row})
+                print(json.dumps(rows[-1]), flush=True)
+        write_record(args.out, rows)  # after every engine: a later failure keeps these
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
             return done.returncode
-        for line in done.stdout.splitlines():
-            if line.startswith("ROW "):
-                setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
-                rows.append({"setup": setup, "arm": arm, **json.loads(line[4:])})
-                print(json.dumps(rows[-1]), flush=True)
+    return 0
+
+
+def write_record(path: Path, rows: list[dict]) -> None:
     import torch
 
     record = {
@@ -217,9 +262,8 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2))
-    return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,12 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
             super().capture()
         self._use_depth(self.physical_depth.depth)
 
+    def switch_capacity(self, updates: dict) -> DSparkOptions:
+        options = super().switch_capacity(updates)
+        if self._depth_graphs:
+            self._use_depth(self.num_speculative_steps)
+        return options
+
     def _use_depth(self, depth: int) -> None:
         self.draft_depth = depth
         self.query_cudagraph_manager = self._depth_graphs[depth]

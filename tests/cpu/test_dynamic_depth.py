@@ -107,3 +107,47 @@ def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
         speculator.record_admission(3, 6, True, torch.tensor([2, 2, 1]))
     assert speculator.physical_depth.depth == 2
     assert speculator.graph_steps == speculator.compacted_steps == 3 * WINDOW_STEPS
+
+
+def test_a_running_engine_switches_between_the_arms_it_was_started_for(
+    engine_config, model_dirs, tmp_path
+):
+    import importlib
+
+    from offline_sweep import shared_engine_plan  # benchmarks/ is on the path
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.config import DSparkOptionError, DSparkOptions
+    from vllm_dspark.patches import compact_verification
+
+    importlib.import_module(compact_verification.RUNNER_MODULE)
+    compact_verification.apply()  # as building a capacity speculator does in a worker
+    curve = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    start, switches = shared_engine_plan(["budget", "threshold", "sps-depth"], None)
+    start["dspark_sps_curve"] = curve  # this CPU platform has no graphs to profile
+    config = engine_config(
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K, **start}
+    )
+    with set_current_vllm_config(config):
+        speculator = DSparkPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
+    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
+    speculator.draft_depth = 3
+    for arm, updates in switches:
+        if arm.startswith("sps"):
+            updates = updates | {"sps_curve": curve}
+        options = speculator.switch_capacity(updates)
+        assert options.capacity == arm.split("-")[0], arm
+        assert (speculator.physical_depth is not None) == options.dynamic_depth, arm
+        assert speculator.draft_depth == K  # every arm starts from full depth
+        assert speculator.compacted_steps == 0
+    with pytest.raises(DSparkOptionError, match="cannot switch.*fp8_draft_head"):
+        speculator.switch_capacity({"fp8_draft_head": True})
+    speculator._depth_graphs = {}
+    with pytest.raises(DSparkOptionError, match="per-depth draft graphs"):
+        speculator.switch_capacity({"capacity": "budget", "dynamic_depth": True})
+    speculator.sps_table = None
+    with pytest.raises(DSparkOptionError, match="SPS profile"):
+        speculator.switch_capacity({"capacity": "sps"})

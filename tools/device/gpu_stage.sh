@@ -14,16 +14,19 @@
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
 #   capacity-fixed / capacity-controlled
 #            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence:
-#            no speculation, fixed k=7, Dynamic SD / budget, threshold, sps with its curve
-#            profiled at start-up (vLLM; one call each, ~3 engines of ~110-190 s)
+#            no speculation, fixed k=7, Dynamic SD (three engines) / budget, threshold,
+#            sps (curve profiled at start-up), sps with dynamic depth (one shared engine)
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
+#   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two per call,
+#            e.g. "nospec,dspark-k1" then "dspark-k3,dspark-k7": the second call merges the
+#            first's rows, kept in /tmp on the warm machine)
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
 #   dflash   DFlash fixed k=7 against its acceptance-length controller and no speculation,
 #            Qwen3-8B shape, vLLM's synthetic acceptance (vLLM; three engines)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   capacity-embedded
-#            the same arms on the embedded pair (real verification; ~6 engines of ~60 s)
+#            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
 # tested commit in the JSON results.
 set -u
@@ -77,13 +80,21 @@ case "$stage" in
   capacity-fixed|capacity-controlled)
     vllm_env
     arms=nospec,dspark,dynamic-sd
-    [ "$stage" = capacity-controlled ] && arms=budget,threshold,sps
+    [ "$stage" = capacity-controlled ] && arms=budget,threshold,sps,sps-depth
     timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms "$arms" --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -14
+      --arms "$arms" --concurrency 1,16,64,256 --shared-engine --out "$OUT/$stage.json" \
+      2>&1 | quiet | tail -14
     ;;
   depth)
     vllm_env
     timeout 400 python3 benchmarks/draft_depth_time.py --out "$OUT/depth_time.json" 2>&1 | quiet | tail -30
+    ;;
+  breakdown)
+    vllm_env
+    merge=(); [ -f /tmp/step_breakdown.json ] && merge=(--merge /tmp/step_breakdown.json)
+    timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
+      --out "$OUT/step_breakdown.json" 2>&1 | quiet | tail -20
+    cp "$OUT/step_breakdown.json" /tmp/step_breakdown.json
     ;;
   prefix)
     vllm_env; use_recalibrated
@@ -101,8 +112,8 @@ case "$stage" in
   capacity-embedded)
     vllm_env
     timeout 580 python3 benchmarks/offline_sweep.py --pair embedded \
-      --arms nospec,dspark,dynamic-sd,budget,threshold,sps --concurrency 1,16,64,256 \
-      --out "$OUT/$stage.json" 2>&1 | quiet | tail -26
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
+      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

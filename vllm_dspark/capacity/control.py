@@ -29,6 +29,19 @@ from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 
+# Options a running engine can switch (benchmarks compare capacity arms in one engine);
+# what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
+SWITCHABLE = frozenset(
+    {
+        "capacity",
+        "budget_frac",
+        "confidence_threshold",
+        "sps_curve",
+        "dynamic_depth",
+        "varlen_verify",
+    }
+)
+
 
 class CapacityControl:
     """Mixed into a speculator (which provides num_speculative_steps and max_num_reqs)."""
@@ -72,6 +85,42 @@ class CapacityControl:
         self.graph_steps = 0  # compacted steps replayed from a FULL CUDA graph
         if self.controls_capacity:
             _check_compaction_supported(vllm_config)
+
+    def switch_capacity(self, updates: dict) -> DSparkOptions:
+        """Replace the capacity options of a running engine by ``updates`` (keys of
+        ``SWITCHABLE`` without the prefix); the counters restart. Refuses what start-up did
+        not prepare."""
+        from pydantic import ValidationError
+
+        from vllm_dspark.patches import compact_verification
+
+        unknown = sorted(set(updates) - SWITCHABLE)
+        if unknown:
+            raise DSparkOptionError(
+                f"vllm-dspark: cannot switch {unknown} in a running engine; "
+                f"switchable: {sorted(SWITCHABLE)}."
+            )
+        kept = {k: v for k, v in self.options.non_default().items() if k not in SWITCHABLE}
+        try:
+            options = DSparkOptions.model_validate(kept | updates)
+        except ValidationError as error:
+            raise DSparkOptionError(f"vllm-dspark: {error}") from error
+        missing = []
+        if options.capacity != "off" and not compact_verification.is_applied():
+            missing.append("capacity control (start with a dspark_capacity mode)")
+        if options.dynamic_depth and not getattr(self, "_depth_graphs", None):
+            missing.append("per-depth draft graphs (start with dspark_dynamic_depth)")
+        auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
+        if auto_sps and self.sps_table is None:
+            missing.append("an SPS profile (start with dspark_capacity=sps)")
+        if missing:
+            raise DSparkOptionError(f"vllm-dspark: this engine was started without {missing}.")
+        sps_table = self.sps_table
+        self.options = options
+        self._init_capacity(self.vllm_config, self.device)
+        if auto_sps:
+            self.sps_table, self.needs_sps_profile = sps_table, False
+        return options
 
     def set_sps_curve(self, curve: list, device: torch.device) -> None:
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 
-from vllm_dspark.patches.wrapping import wrap
+from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
 from vllm_dspark.verify.compact_graphs import compact_graph_descriptors, pick_compact_graph
 from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens
 
@@ -168,6 +168,13 @@ def _make_prepare_wrapper(prepare_inputs):
         return compact_input_batch(self, batch, budget, batch_desc.cg_mode == CUDAGraphMode.FULL)
 
     return prepare_inputs_with_compaction
+
+
+def is_applied() -> bool:
+    runner_module = sys.modules.get(RUNNER_MODULE)
+    return runner_module is not None and hasattr(
+        runner_module.GPUModelRunner.execute_model, ORIGINAL_ATTR
+    )
 
 
 def apply() -> None:
