@@ -32,6 +32,16 @@ from vllm_dspark.head.draft_heads import DraftHeads
 _PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
 
 
+def point_mass_draws(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Record uncomputed positions as drawn from a point mass on ``tokens`` (one per
+    request): a step that cannot be compacted verifies them anyway, and probabilistic
+    verification stays exact for any draft distribution the drafts were really drawn from.
+    draft_logits: [R, positions, V] (written in place); tokens: [R]."""
+    draft_logits.fill_(float("-inf"))
+    index = tokens.view(-1, 1, 1).expand(-1, draft_logits.shape[1], 1)
+    return draft_logits.scatter_(-1, index, 0.0)
+
+
 class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
@@ -203,6 +213,8 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         if depth < num_drafts:
             # Positions not computed: a valid token id, never admitted (survival below all).
             self.draft_tokens[:num_reqs, depth:] = previous.unsqueeze(1)
+            if self.draft_logits is not None:
+                point_mass_draws(self.draft_logits[:num_reqs, depth:], previous)
         if self.synthetic is not None:
             self.confidence_logits[:num_reqs] = self.synthetic.draw(num_reqs)
         if self.has_confidence:

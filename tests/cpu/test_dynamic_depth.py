@@ -151,3 +151,13 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
     speculator.sps_table = None
     with pytest.raises(DSparkOptionError, match="SPS profile"):
         speculator.switch_capacity({"capacity": "sps"})
+
+
+def test_uncomputed_positions_are_point_masses_on_their_token():
+    from vllm_dspark.speculator import point_mass_draws
+
+    logits = torch.randn(3, 4, 10)
+    point_mass_draws(logits, torch.tensor([2, 7, 0]))
+    probs = logits.softmax(dim=-1)
+    assert torch.equal(probs.argmax(dim=-1), torch.tensor([[2] * 4, [7] * 4, [0] * 4]))
+    assert torch.equal(probs.max(dim=-1).values, torch.ones(3, 4))

@@ -4,7 +4,11 @@ With ``dspark_dynamic_depth`` the DSpark drafter computes only the first d of it
 positions after the parallel backbone (the draft LM head over R*d rows, d steps of the
 Markov loop, the confidence head); positions d..K-1 get a survival below every computed
 one, so capacity control never admits them, and a step's budget never exceeds R*d. The
-backbone keeps the checkpoint's block layout (K query tokens per request).
+backbone keeps the checkpoint's block layout (K query tokens per request). A step vLLM
+verifies uncompacted (prefills, logprobs, structured output in the batch) verifies them
+anyway: they hold the last drafted token, recorded for probabilistic verification as
+drawn from a point mass on it, which keeps it exact (any draft distribution does, if the
+draft was really drawn from it).
 
 d follows what capacity control actually admitted. Every compacted step records its
 largest per-request admission (read one step late, :mod:`stale_record`). After each
