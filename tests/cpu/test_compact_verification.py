@@ -354,17 +354,18 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
 
     curves = []
     speculator = SimpleNamespace(
-        needs_sps_profile=True, set_sps_curve=lambda curve, device: curves.append(curve)
+        needs_sps_profile=True,
+        set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
     )
     runner = SimpleNamespace(speculator=speculator, device="cpu")
     monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [(8, 4.0), (64, 8.0)])
     monkeypatch.setattr(sps_autoprofile, "slowest_rank", lambda rows: rows)
     capture = sps_autoprofile._make_wrapper(lambda runner: 123)
     assert capture(runner) == 123
-    assert curves == [[[8, 250.0], [64, 125.0]]]
+    assert curves == [([[8, 250.0], [64, 125.0]], True)]
     assert not speculator.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
-    table = sps_table_from_curve(curves[0], 64)
+    table = sps_table_from_curve(curves[0][0], 64)
     assert table[36].item() == pytest.approx(187.5)
     # No graph to time: a start-up error naming the option.
     speculator.needs_sps_profile = True

@@ -148,9 +148,12 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
     speculator._depth_graphs = {}
     with pytest.raises(DSparkOptionError, match="per-depth draft graphs"):
         speculator.switch_capacity({"capacity": "budget", "dynamic_depth": True})
-    speculator.sps_table = None
     with pytest.raises(DSparkOptionError, match="SPS profile"):
-        speculator.switch_capacity({"capacity": "sps"})
+        speculator.switch_capacity({"capacity": "sps"})  # never profiled here
+    speculator.set_sps_curve(curve, torch.device("cpu"), profiled=True)
+    speculator.switch_capacity({"capacity": "sps", "sps_curve": [[1, 5.0], [9, 1.0]]})
+    speculator.switch_capacity({"capacity": "sps", "varlen_verify": True})  # auto
+    assert speculator.sps_table[64].item() == pytest.approx(90.0)  # the profile, not [[1, 5]..
 
 
 def test_uncomputed_positions_are_point_masses_on_their_token():

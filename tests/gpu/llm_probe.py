@@ -2,7 +2,9 @@
 
 Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
 (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
-"max_tokens", optional "gpu_memory_utilization", "dtype", "enable_prefix_caching"}.
+"max_tokens", optional "gpu_memory_utilization", "dtype", "enable_prefix_caching",
+"switch" (a list of [name, capacity options] measured one after another in this engine,
+:mod:`vllm_dspark.engine_control`)}.
 Prints one JSON line: the token ids per prompt, the spec-decode counts, the plugin's
 admission counts (compacted steps), the run's tokens per second, and whether vllm-dspark's
 patches were applied.
@@ -50,27 +52,38 @@ def main(spec: dict) -> None:
     def admission() -> AdmissionCounts:
         return admission_counts(llm) if speculative else AdmissionCounts()
 
-    before, admitted_before = SpecDecodeCounts.from_metrics(llm.get_metrics()), admission()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
-    admitted = admission() - admitted_before
-    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
-    print(
-        "PROBE "
-        + json.dumps(
-            {
-                "token_ids": token_ids,
-                "spec_decode": asdict(counts),
-                "admission": asdict(admitted),
-                "acceptance_length": counts.acceptance_length if counts.drafts else None,
-                "tok_s": sum(map(len, token_ids)) / seconds,
-                "patched": hasattr(EngineArgs.create_speculative_config, ORIGINAL_ATTR),
-                "load_s": round(load_s, 1),
-            }
-        )
-    )
+    def measure() -> dict:
+        before, admitted_before = SpecDecodeCounts.from_metrics(llm.get_metrics()), admission()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+        admitted = admission() - admitted_before
+        token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+        return {
+            "token_ids": token_ids,
+            "spec_decode": asdict(counts),
+            "admission": asdict(admitted),
+            "acceptance_length": counts.acceptance_length if counts.drafts else None,
+            "tok_s": sum(map(len, token_ids)) / seconds,
+        }
+
+    result = {
+        "patched": hasattr(EngineArgs.create_speculative_config, ORIGINAL_ATTR),
+        "load_s": round(load_s, 1),
+    }
+    if "switch" in spec:
+        # Several capacity arms of one engine: {"arms": {name: measurement}}.
+        from vllm_dspark.engine_control import switch_capacity
+
+        result["arms"] = {}
+        for name, updates in spec["switch"]:
+            switch_capacity(llm, **updates)
+            llm.generate(prompts[:4], params, use_tqdm=False)
+            result["arms"][name] = measure()
+    else:
+        result |= measure()
+    print("PROBE " + json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
-  curve and with the curve profiled at start-up; budget with dynamic depth) keeps greedy
-  outputs identical to no speculation, and its compacted steps replay FULL CUDA graphs
-  (every batch of this test fits the largest captured size);
+  curve and with the curve profiled at start-up; budget with dynamic depth), switched in
+  one engine, keeps greedy outputs identical to no speculation, and its compacted steps
+  replay FULL CUDA graphs (every batch of this test fits the largest captured size);
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's.
@@ -34,31 +34,26 @@ pytestmark = [
 ARMS = {
     "nospec": None,
     "dspark": {},
-    "budget": {
-        "dspark_capacity": "budget",
-        "dspark_budget_frac": 0.5,
-        "dspark_varlen_verify": True,
-    },
-    "threshold": {
-        "dspark_capacity": "threshold",
-        "dspark_confidence_threshold": 0.3,
-        "dspark_varlen_verify": True,
-    },
-    "sps": {
+    "fp8": {"dspark_fp8_draft_head": True},
+    # One engine prepared for every capacity arm (compaction, per-depth draft graphs, the
+    # SPS profile), switched between them (vllm_dspark.engine_control).
+    "capacity": {
         "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        # Not this pair's curve: one whose optimum moves with the load, to exercise the mode.
-        "dspark_sps_curve": [[1, 1000.0], [128, 900.0], [512, 400.0], [2048, 120.0]],
-    },
-    "budget-depth": {
-        "dspark_capacity": "budget",
-        "dspark_budget_frac": 0.5,
         "dspark_varlen_verify": True,
         "dspark_dynamic_depth": True,
     },
+}
+CAPACITY_ARMS = {
+    "budget": {"capacity": "budget", "budget_frac": 0.5},
+    "budget-depth": {"capacity": "budget", "budget_frac": 0.5, "dynamic_depth": True},
+    "threshold": {"capacity": "threshold", "confidence_threshold": 0.3},
+    # Not this pair's curve: one whose optimum moves with the load, to exercise the mode.
+    "sps": {
+        "capacity": "sps",
+        "sps_curve": [[1, 1000.0], [128, 900.0], [512, 400.0], [2048, 120.0]],
+    },
     # The curve profiled at start-up from this GPU's graph replays.
-    "sps-auto": {"dspark_capacity": "sps", "dspark_varlen_verify": True},
-    "fp8": {"dspark_fp8_draft_head": True},
+    "sps-auto": {"capacity": "sps"},
 }
 _results: dict = {}
 
@@ -124,6 +119,8 @@ class Arms(dict):
     """The probe result of each arm, run on first use (so ``-k`` selects the engines)."""
 
     def __missing__(self, name: str) -> dict:
+        if name in CAPACITY_ARMS:
+            return self["capacity"]["arms"][name]
         options = ARMS[name]
         spec = {
             "target": str(EMBEDDED_PAIR / "target"),
@@ -133,6 +130,11 @@ class Arms(dict):
             "max_tokens": MAX_TOKENS,
             "gpu_memory_utilization": 0.1,
         }
+        if name == "capacity":
+            spec["switch"] = [
+                [arm, {"varlen_verify": True, "dynamic_depth": False} | updates]
+                for arm, updates in CAPACITY_ARMS.items()
+            ]
         self[name] = run_probe(LLM_PROBE, json.dumps(spec))
         return self[name]
 
@@ -142,11 +144,11 @@ def arms():
     return Arms()
 
 
-@pytest.mark.parametrize("mode", ["budget", "budget-depth", "threshold", "sps", "sps-auto"])
+@pytest.mark.parametrize("mode", list(CAPACITY_ARMS))
 def test_capacity_modes_are_lossless(arms, mode):
     assert arms["dspark"]["token_ids"] == arms["nospec"]["token_ids"]
     fixed, capped = arms["dspark"]["spec_decode"], arms[mode]["spec_decode"]
-    _record(f"capacity_{mode}", {"options": ARMS[mode], "fixed_k7": fixed, mode: capped})
+    _record(f"capacity_{mode}", {"options": CAPACITY_ARMS[mode], "fixed_k7": fixed, mode: capped})
     assert arms[mode]["token_ids"] == arms["nospec"]["token_ids"]
     # vLLM counts every scheduled draft; accepted ones can only come from admitted ones,
     # and fewer verified drafts mean fewer accepted per step.

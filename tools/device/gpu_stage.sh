@@ -8,8 +8,9 @@
 #            stages on the same machine run on it; plus the FP8 head's agreement on the
 #            pair's real hidden states
 #   pair     demo + reference check (vLLM)
-#   arms     capacity modes and FP8 head on the pair, against no speculation (vLLM; 6
-#            engines of ~90 s: pass a pytest -k expression as the third argument to split)
+#   arms     capacity modes (one engine, switched) and FP8 head on the pair, against no
+#            speculation (vLLM; 4 engines of ~60-90 s; a pytest -k expression as the third
+#            argument selects)
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
 #   capacity-fixed / capacity-controlled

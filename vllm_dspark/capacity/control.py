@@ -63,10 +63,15 @@ class CapacityControl:
         if options.capacity in ("threshold", "sps"):
             self.stale_budget = StalePerRequest(device, options.budget_frac * num_drafts)
         self.sps_table = None
-        # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve).
-        self.needs_sps_profile = options.capacity == "sps" and options.sps_curve == "auto"
+        # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve);
+        # an engine switched back to auto (switch_capacity) reuses its profile.
+        self.profiled_sps_curve = getattr(self, "profiled_sps_curve", None)
+        auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
+        self.needs_sps_profile = auto_sps and self.profiled_sps_curve is None
         if self.needs_sps_profile:
             _check_sps_profiling_possible(vllm_config)
+        elif auto_sps:
+            self.set_sps_curve(self.profiled_sps_curve, device)
         elif options.capacity == "sps":
             self.set_sps_curve(options.sps_curve, device)
         # acceptance: a depth from the mean accepted length of verified steps.
@@ -111,18 +116,17 @@ class CapacityControl:
         if options.dynamic_depth and not getattr(self, "_depth_graphs", None):
             missing.append("per-depth draft graphs (start with dspark_dynamic_depth)")
         auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
-        if auto_sps and self.sps_table is None:
+        if auto_sps and self.profiled_sps_curve is None:
             missing.append("an SPS profile (start with dspark_capacity=sps)")
         if missing:
             raise DSparkOptionError(f"vllm-dspark: this engine was started without {missing}.")
-        sps_table = self.sps_table
         self.options = options
         self._init_capacity(self.vllm_config, self.device)
-        if auto_sps:
-            self.sps_table, self.needs_sps_profile = sps_table, False
         return options
 
-    def set_sps_curve(self, curve: list, device: torch.device) -> None:
+    def set_sps_curve(self, curve: list, device: torch.device, profiled: bool = False) -> None:
+        if profiled:
+            self.profiled_sps_curve = curve
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
         self.sps_table = sps_table_from_curve(curve, max_tokens).to(device)
 

@@ -52,7 +52,7 @@ def _make_wrapper(capture_model):
                     "graph of the target to time. Valid here: a curve."
                 )
             curve = curve_from_times(rows)
-            speculator.set_sps_curve(curve, self.device)
+            speculator.set_sps_curve(curve, self.device, profiled=True)
             speculator.needs_sps_profile = False
             logger.info("vllm-dspark: SPS curve profiled at start-up [T, steps/s]: %s", curve)
         return result
