@@ -18,6 +18,8 @@
 #            no speculation, fixed k=7, Dynamic SD (three engines) / budget, threshold,
 #            sps (curve profiled at start-up), sps with dynamic depth (one shared engine)
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
+#   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
+#            pair: embedded (2 servers of ~60 s) or qwen3-8b (2 servers of ~110-190 s)
 #   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two per call,
 #            e.g. "nospec,dspark-k1" then "dspark-k3,dspark-k7": the second call merges the
 #            first's rows, kept in /tmp on the warm machine)
@@ -89,6 +91,13 @@ case "$stage" in
   depth)
     vllm_env
     timeout 400 python3 benchmarks/draft_depth_time.py --out "$OUT/depth_time.json" 2>&1 | quiet | tail -30
+    ;;
+  serve)
+    vllm_env; use_recalibrated
+    pair=${3:?pair}; arms=benchmarks/arms/embedded.json
+    [ "$pair" = qwen3-8b ] && arms=benchmarks/arms/qwen3_8b_synthetic.json
+    timeout 580 python3 benchmarks/serve_sweep.py --arms "$arms" --pair "$pair" \
+      --out "$OUT/serve_sweep_$pair.json" 2>&1 | grep "^{\|Error\|error" | tail -12
     ;;
   breakdown)
     vllm_env
