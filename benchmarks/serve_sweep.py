@@ -199,6 +199,12 @@ def main() -> int:
     rows = []
     for arm in arms:
         rows += run_arm(arm, args)
+        write_record(args.out, arms, rows)  # after every server: a later failure keeps these
+    plot(rows, args.out.with_suffix(".png"))
+    return 0
+
+
+def write_record(path: Path, arms: list[dict], rows: list[dict]) -> None:
     import torch
 
     record = {
@@ -209,10 +215,8 @@ def main() -> int:
         "arms": arms,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2))
-    plot(rows, args.out.with_suffix(".png"))
-    return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
