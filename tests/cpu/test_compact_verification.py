@@ -389,3 +389,50 @@ def test_sps_profile_times_the_captured_uniform_decode_graphs_only():
     runner = SimpleNamespace(cudagraph_manager=SimpleNamespace(graphs=graphs), decode_query_len=8)
     assert decode_graph_shapes(runner) == [(8, 1), (16, 2)]
     assert decode_graph_shapes(SimpleNamespace(cudagraph_manager=None)) == []
+
+
+def test_vllms_draft_token_counters_count_the_admitted_drafts(speculator):
+    """The worker reports K - k_r per request with the step's output; the scheduler folds
+    it into vLLM's own statistics, which then count verified drafts per position."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_dspark.patches import admission_metrics
+
+    # A compacted step admitted 5, 0 and 2 of 7 drafts.
+    speculator.record_admission(["a", "b", "c"], 7, True, torch.tensor([5, 0, 2]))
+
+    class Async:
+        def get_output(self):
+            return SimpleNamespace(req_ids=["a", "b", "c"])
+
+    runner = SimpleNamespace(speculator=speculator)
+    sample = admission_metrics._make_sample_tokens_wrapper(lambda runner: Async())
+    output = sample(runner).get_output()
+    assert output.dspark_not_admitted == {"a": 2, "b": 7, "c": 5}
+    assert sample(runner).get_output() is not None  # the next step had no compaction
+    assert not hasattr(sample(runner).get_output(), "dspark_not_admitted")
+
+    stats = []
+
+    def update(scheduler, scheduler_output, model_runner_output):
+        # What vLLM's update_from_output does per request for its statistics.
+        for req_id, accepted in (("a", 3), ("b", 0), ("c", 1)):
+            stats.append(
+                Scheduler.make_spec_decoding_stats(
+                    scheduler,
+                    stats[-1] if stats else None,
+                    num_draft_tokens=K,
+                    num_accepted_tokens=accepted,
+                    num_invalid_spec_tokens=scheduler_output.num_invalid_spec_tokens,
+                    request_id=req_id,
+                )
+            )
+
+    scheduler = SimpleNamespace(log_stats=True, num_spec_tokens=K)
+    scheduled = SimpleNamespace(num_invalid_spec_tokens={"d": 1})  # vLLM's own, kept
+    admission_metrics._make_update_wrapper(update)(scheduler, scheduled, output)
+    assert scheduled.num_invalid_spec_tokens == {"d": 1, "a": 2, "b": 7, "c": 5}
+    spec = stats[-1]
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (3, 7, 4)
+    assert spec.num_draft_tokens_per_pos == [2, 2, 1, 1, 1, 0, 0]
+    assert spec.num_accepted_tokens_per_pos == [2, 1, 1, 0, 0, 0, 0]

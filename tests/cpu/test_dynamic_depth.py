@@ -101,10 +101,10 @@ def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
     # Compacted steps feed the controller the admissions of the step before the last (the
     # first two read the initial K, which keeps K for two windows).
     for _ in range(2 * WINDOW_STEPS):
-        speculator.record_admission(3, 6, True, torch.tensor([2, 2, 1]))
+        speculator.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
     assert speculator.physical_depth.depth == K
     for _ in range(WINDOW_STEPS):
-        speculator.record_admission(3, 6, True, torch.tensor([2, 2, 1]))
+        speculator.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
     assert speculator.physical_depth.depth == 2
     assert speculator.graph_steps == speculator.compacted_steps == 3 * WINDOW_STEPS
 

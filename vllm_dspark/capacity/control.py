@@ -84,6 +84,12 @@ class CapacityControl:
         if options.dynamic_depth:
             self.physical_depth = PhysicalDepth(num_drafts)
             self.stale_max_admitted = StalePerRequest(device, float(num_drafts))
+        # k_r of the step being prepared, copied to the host for vLLM's statistics
+        # (patches/admission_metrics.py); a few slots, as steps overlap.
+        self.admitted_host = torch.zeros(
+            (4, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        self.pending_admission = None
         self.drafts_proposed = 0  # in compacted steps, for the admitted share
         self.drafts_admitted = 0
         self.compacted_steps = 0
@@ -153,17 +159,26 @@ class CapacityControl:
         return budget_capacity(self.slot_survival[slots], budget)
 
     def record_admission(
-        self, num_reqs: int, budget: int, from_graph: bool, capacity: torch.Tensor
+        self, req_ids: list[str], budget: int, from_graph: bool, capacity: torch.Tensor
     ) -> None:
         """After a compacted step's admission (``capacity``: k_r per request)."""
+        num_reqs = len(req_ids)
         self.drafts_proposed += num_reqs * self.num_speculative_steps
         self.drafts_admitted += budget
         self.compacted_steps += 1
         self.graph_steps += from_graph
+        slot = self.admitted_host[self.compacted_steps % len(self.admitted_host), :num_reqs]
+        slot.copy_(capacity, non_blocking=True)
+        self.pending_admission = (req_ids, slot)
         if self.physical_depth is not None:
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(capacity.max(), 1)
             self.physical_depth.observe(num_reqs, max_admitted)
+
+    def take_admission(self):
+        """The step's (request ids, k_r on the host once its copies are done), once."""
+        pending, self.pending_admission = self.pending_admission, None
+        return pending
 
     def record_verification(self, num_verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After a real step's verification (:func:`verification_counts`): the accepted

@@ -5,9 +5,9 @@ when it can go. Each exposes ``apply()``, which is idempotent; a patch changes
 nothing while no vllm-dspark option is set.
 """
 
-from vllm_dspark.patches import speculative_options, speculator_selection
+from vllm_dspark.patches import admission_metrics, speculative_options, speculator_selection
 
-PATCHES = (speculative_options, speculator_selection)
+PATCHES = (speculative_options, speculator_selection, admission_metrics)
 
 
 def apply_all() -> None:

@@ -145,7 +145,7 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
     buffers.query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
     buffers.seq_lens[:num_reqs].copy_(compact_seq_lens(buffers.seq_lens[:num_reqs], layout))
-    speculator.record_admission(num_reqs, budget, from_graph, capacity)
+    speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
     return dataclasses.replace(
         batch,
         num_tokens=num_tokens,

@@ -34,9 +34,10 @@ def _make_wrapper(init_speculator):
         speculator = cls(vllm_config, device, options)
         if getattr(speculator, "controls_capacity", False):
             # The runner is imported by now: its own hooks go in only when needed.
-            from vllm_dspark.patches import compact_verification
+            from vllm_dspark.patches import admission_metrics, compact_verification
 
             compact_verification.apply()
+            admission_metrics.apply_to_runner()
         if getattr(speculator, "needs_sps_profile", False):
             from vllm_dspark.patches import sps_autoprofile
 
