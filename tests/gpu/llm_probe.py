@@ -4,7 +4,8 @@ Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy
 (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
 "max_tokens", optional "gpu_memory_utilization", "dtype", "enable_prefix_caching",
 "switch" (a list of [name, capacity options] measured one after another in this engine,
-:mod:`vllm_dspark.engine_control`)}.
+:mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the
+GPU memory the engine does not hold with NaN, then hand it back to the allocator)}.
 Prints one JSON line: the token ids per prompt, the spec-decode counts, the plugin's
 admission counts (compacted steps), the run's tokens per second, and whether vllm-dspark's
 patches were applied.
@@ -15,6 +16,23 @@ import os
 import sys
 import time
 from dataclasses import asdict
+
+
+def poison_freed_memory(worker, chunk_bytes: int = 256 << 20) -> int:
+    """Runs in the worker: every byte the caching allocator can hand out next holds NaN
+    (memory held by tensors and CUDA-graph pools is untouched). Returns the bytes."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    chunks = []
+    while torch.cuda.mem_get_info()[0] > 2 * chunk_bytes:
+        chunks.append(torch.full((chunk_bytes // 4,), float("nan"), device="cuda"))
+    poisoned = len(chunks) * chunk_bytes
+    del chunks  # back to the allocator's cache, NaN inside
+    return poisoned
 
 
 def main(spec: dict) -> None:
@@ -28,7 +46,8 @@ def main(spec: dict) -> None:
     if spec["draft"]:
         speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
         speculative.update(spec.get("options", {}))
-        # admission_counts() reads the speculator's counters in the worker.
+    if speculative or spec.get("poison_freed_memory"):
+        # admission_counts() and the poisoning call into the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     start = time.perf_counter()
     llm = LLM(
@@ -48,6 +67,9 @@ def main(spec: dict) -> None:
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    poisoned = 0
+    if spec.get("poison_freed_memory"):
+        poisoned = llm.collective_rpc(poison_freed_memory)[0]
 
     def admission() -> AdmissionCounts:
         return admission_counts(llm) if speculative else AdmissionCounts()
@@ -71,6 +93,7 @@ def main(spec: dict) -> None:
     result = {
         "patched": hasattr(EngineArgs.create_speculative_config, ORIGINAL_ATTR),
         "load_s": round(load_s, 1),
+        "poisoned_bytes": poisoned,
     }
     if "switch" in spec:
         # Several capacity arms of one engine: {"arms": {name: measurement}}.

@@ -1,0 +1,78 @@
+"""On a GPU, with the embedded pair: nothing reads memory it does not own.
+
+Hardening cases 2 and 3 (CUDA-graph buffer lifetime, padded replay state). After the
+engine has captured its graphs and warmed up, every byte the caching allocator can hand
+out next is filled with NaN. A captured graph that kept a pointer into memory freed after
+capture, or a padded replay row or eager step that reads stale or uninitialised state,
+then reads NaN and derails its request. Stock DSpark (our plugin not loaded) and the
+plugin with every capacity option run that way; greedy outputs must equal no
+speculation (float32). Whether stock fails is recorded, not assumed.
+
+Set DSPARK_RESULTS_DIR to also write ``freed_memory.json`` there.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from gpu_results import write_result
+from subprocess_probe import run_probe, without_dspark_plugin
+
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
+
+LLM_PROBE = Path(__file__).with_name("llm_probe.py")
+NUM_PROMPTS, MAX_TOKENS = 64, 96
+OPTIONS = {
+    "dspark_capacity": "sps",
+    "dspark_varlen_verify": True,
+    "dspark_dynamic_depth": True,
+    "dspark_online_sts": True,
+    "dspark_confidence_metrics": True,
+}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
+]
+
+
+def run(draft: bool, options: dict, plugin: bool) -> dict:
+    spec = {
+        "target": str(EMBEDDED_PAIR / "target"),
+        "draft": str(EMBEDDED_PAIR / "draft") if draft else None,
+        "options": options,
+        "prompts": load_prompts(num_prompts=NUM_PROMPTS),
+        "max_tokens": MAX_TOKENS,
+        "dtype": "float32",
+        "gpu_memory_utilization": 0.1,
+        "poison_freed_memory": True,
+    }
+    return run_probe(LLM_PROBE, json.dumps(spec), plugins=None if plugin else without_dspark_plugin())
+
+
+def test_poisoned_free_memory_changes_no_output():
+    reference = run(draft=False, options={}, plugin=True)
+    stock = run(draft=True, options={}, plugin=False)
+    plugin = run(draft=True, options=OPTIONS, plugin=True)
+    record = {
+        name: {
+            "greedy_identical_prompts": sum(
+                a == b for a, b in zip(arm["token_ids"], reference["token_ids"], strict=True)
+            ),
+            "poisoned_gib": round(arm["poisoned_bytes"] / (1 << 30), 1),
+        }
+        for name, arm in (("stock", stock), ("plugin", plugin))
+    }
+    write_result(
+        "freed_memory.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_freed_memory_gpu.py",
+        {
+            "setup": f"embedded pair, {NUM_PROMPTS} prompts, {MAX_TOKENS} tokens, float32, "
+            "free GPU memory filled with NaN after capture and warm-up",
+            "options": OPTIONS,
+            "stock_fails": record["stock"]["greedy_identical_prompts"] < NUM_PROMPTS,
+            **record,
+        },
+    )
+    assert plugin["poisoned_bytes"] > 1 << 30 and not stock["patched"] and plugin["patched"]
+    assert record["plugin"]["greedy_identical_prompts"] == NUM_PROMPTS
