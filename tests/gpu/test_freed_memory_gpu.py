@@ -47,7 +47,8 @@ def run(draft: bool, options: dict, plugin: bool) -> dict:
         "gpu_memory_utilization": 0.1,
         "poison_freed_memory": True,
     }
-    return run_probe(LLM_PROBE, json.dumps(spec), plugins=None if plugin else without_dspark_plugin())
+    plugins = None if plugin else without_dspark_plugin()
+    return run_probe(LLM_PROBE, json.dumps(spec), plugins=plugins)
 
 
 def test_poisoned_free_memory_changes_no_output():
