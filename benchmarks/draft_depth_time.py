@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,32 +30,16 @@ K = 7
 
 
 def time_depth_graphs(worker, concurrencies: list[int], warmup: int, repeats: int) -> list:
-    """Runs inside the vLLM worker: median replay ms of each depth's draft graph."""
-    import torch
+    """Runs inside the vLLM worker: median replay ms of each depth's draft graphs."""
+    from vllm_dspark.capacity.sps_profile import time_graph_replays
 
     speculator = worker.model_runner.speculator
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
-    for num_reqs in concurrencies:
-        num_tokens = num_reqs * speculator.num_query_per_req
-        for depth, manager in sorted(speculator._depth_graphs.items()):
-            desc = manager.dispatch(num_reqs, num_tokens, speculator.num_query_per_req, 0)
-            graph = manager.graphs.get(desc)
-            if graph is None:
-                rows.append({"concurrency": num_reqs, "depth": depth, "draft_ms": None})
-                continue
-            for _ in range(warmup):
-                graph.replay()
-            times = []
-            for _ in range(repeats):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            rows.append(
-                {"concurrency": num_reqs, "depth": depth, "draft_ms": statistics.median(times)}
-            )
+    for depth, manager in sorted(speculator._depth_graphs.items()):
+        timed = dict(time_graph_replays(manager, warmup, repeats))
+        rows += [
+            {"concurrency": r, "depth": depth, "draft_ms": timed.get(r)} for r in concurrencies
+        ]
     return rows
 
 

@@ -9,6 +9,9 @@ token. CUDA events around ``repeats`` back-to-back steps give the time per step 
 host's preparation overlaps the GPU as in serving); the median of ``rounds`` such groups
 is kept. Dummy requests attend only their own query tokens, so the curve measures the
 weight-bound cost that dominates decode; long contexts lower SPS at large T further.
+
+:func:`time_graph_replays` times a speculator's captured draft graphs the same way, per
+batch size: what a proposal costs, for deciding whether drafting pays at all.
 """
 
 from __future__ import annotations
@@ -75,6 +78,31 @@ def time_target_steps(
             rows.append((num_tokens, statistics.median(times)))
     finally:
         runner.kv_connector.set_disabled(False)
+    return rows
+
+
+@torch.inference_mode()
+def time_graph_replays(manager, warmup: int = 3, repeats: int = 10) -> list[tuple[int, float]]:
+    """[(requests, median ms)] of every FULL graph a (draft) graph manager captured,
+    replayed as captured: the buffers hold whatever they hold, so this times the work and
+    produces nothing."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = []
+    descs = [desc for desc in manager.graphs if desc.cg_mode == CUDAGraphMode.FULL]
+    for desc in sorted(descs, key=lambda desc: desc.num_reqs):
+        graph = manager.graphs[desc]
+        for _ in range(warmup):
+            graph.replay()
+        times = []
+        for _ in range(repeats):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        rows.append((desc.num_reqs, statistics.median(times)))
     return rows
 
 

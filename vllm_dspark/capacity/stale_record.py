@@ -14,7 +14,7 @@ and every tensor-parallel rank reads the same value (a read that fell back to an
 value when a copy was late would let ranks pick different batch sizes and hang).
 
 The statistic is read per request, so a batch that grew or shrank since gets a budget in
-proportion to its size.
+proportion to its size. A record holds one value or a vector (one per draft position).
 """
 
 from __future__ import annotations
@@ -23,28 +23,31 @@ import torch
 
 
 class StalePerRequest:
-    def __init__(self, device: torch.device, initial_per_request: float):
+    def __init__(self, device: torch.device, initial_per_request: float | list[float]):
         cuda = device.type == "cuda"
-        # Two records, (total, requests), written alternately by successive steps.
-        self._records = torch.zeros(2, 2, dtype=torch.float32, pin_memory=cuda)
+        self._scalar = not isinstance(initial_per_request, list)
+        width = 1 if self._scalar else len(initial_per_request)
+        # Two records, (total..., requests), written alternately by successive steps.
+        self._records = torch.zeros(2, width + 1, dtype=torch.float32, pin_memory=cuda)
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._proposals = 0
         self._per_request = initial_per_request
 
     def record(self, total: torch.Tensor, num_reqs: torch.Tensor | int) -> None:
-        """After a real step: its total (device scalar) over ``num_reqs`` requests."""
+        """After a real step: its total (device scalar, or vector of the record's width)
+        over ``num_reqs`` requests."""
         slot = self._proposals % 2
-        self._records[slot, 0].copy_(total, non_blocking=True)
+        self._records[slot, :-1].copy_(total.reshape(-1), non_blocking=True)
         if isinstance(num_reqs, torch.Tensor):
-            self._records[slot, 1].copy_(num_reqs, non_blocking=True)
+            self._records[slot, -1].copy_(num_reqs, non_blocking=True)
         else:
-            self._records[slot, 1] = num_reqs
+            self._records[slot, -1] = num_reqs
         event = self._events[slot]
         if event is not None:
             event.record()
         self._proposals += 1
 
-    def per_request(self) -> float:
+    def per_request(self) -> float | list[float]:
         """The total per request of the proposal before the last one (at first, the
         initial value)."""
         if self._proposals >= 2:
@@ -52,7 +55,8 @@ class StalePerRequest:
             event = self._events[slot]
             if event is not None:
                 event.synchronize()
-            total, num_reqs = self._records[slot].tolist()
+            *totals, num_reqs = self._records[slot].tolist()
             if num_reqs > 0:  # a step with no request to count keeps the last value
-                self._per_request = total / num_reqs
+                per_request = [total / num_reqs for total in totals]
+                self._per_request = per_request[0] if self._scalar else per_request
         return self._per_request
