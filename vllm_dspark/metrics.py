@@ -89,6 +89,7 @@ class AdmissionCounts:
     graph_steps: int = 0  # of those steps, replayed from a FULL CUDA graph
     depth: int = 0  # sequential positions the drafter computes now (a gauge)
     depth_changes: int = 0  # dspark_dynamic_depth's changes of depth
+    proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -99,6 +100,7 @@ class AdmissionCounts:
             self.graph_steps - other.graph_steps,
             self.depth,
             self.depth_changes - other.depth_changes,
+            self.proposals_skipped - other.proposals_skipped,
         )
 
     @property
@@ -118,6 +120,7 @@ def _worker_admission(worker) -> dict:
         "graph_steps": getattr(speculator, "graph_steps", 0),
         "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
         "depth_changes": getattr(getattr(speculator, "physical_depth", None), "changes", 0),
+        "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
     }
 
 

@@ -11,6 +11,8 @@ import inspect
 
 import torch
 from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
@@ -42,6 +44,14 @@ def point_mass_draws(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.
     return draft_logits.scatter_(-1, index, 0.0)
 
 
+class NoDraftGraphs:
+    """Stands in for the draft graph manager of a proposal the draft gate skips: every
+    dispatch goes to the eager path, where the skipped proposal computes nothing."""
+
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras=0):
+        return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+
+
 class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
@@ -66,6 +76,7 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         # graph manager per depth: switching depth replays another graph, never recaptures.
         self.draft_depth = self.num_speculative_steps
         self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
+        self._skip_draft = False  # the draft gate closed for the proposal being made
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         super().init_cudagraph_manager(cudagraph_mode)
@@ -129,17 +140,39 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         real_step = not call.get("dummy_run", False)
         input_batch = call["input_batch"]
         slots = input_batch.idx_mapping
+        drafting = True
         if real_step:
             self._observe_verification(input_batch, slots, call["num_sampled"])
             if self.physical_depth is not None:
                 self._use_depth(self.physical_depth.depth)
-        drafts = super().propose(*args, **kwargs)
+            drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
+        graphs = self.query_cudagraph_manager
+        if not drafting:
+            self._skip_draft, self.query_cudagraph_manager = True, NoDraftGraphs()
+        try:
+            drafts = super().propose(*args, **kwargs)
+        finally:
+            self._skip_draft, self.query_cudagraph_manager = False, graphs
+        if real_step:
+            self.drafted_last = drafting
         if self.has_confidence and real_step:
             survival = self.survival[: input_batch.num_reqs]
             self.slot_survival[slots] = survival
             self.slot_confidence_logits[slots] = self.confidence_logits[: input_batch.num_reqs]
-            self.record_proposal(survival)
+            if drafting:
+                self.record_proposal(survival)
         return drafts
+
+    def _generate_draft(self, num_reqs: int, *args, **kwargs) -> None:
+        if not self._skip_draft:
+            return super()._generate_draft(num_reqs, *args, **kwargs)
+        # A skipped proposal: valid token ids that nothing verifies (the next budget is 0).
+        anchor = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]]
+        self.draft_tokens[:num_reqs] = anchor.unsqueeze(1)
+        self.survival[:num_reqs] = UNCOMPUTED_SURVIVAL
+        if self.draft_logits is not None:
+            point_mass_draws(self.draft_logits[:num_reqs], anchor)
+        return None
 
     def _observe_verification(self, input_batch, slots, num_sampled) -> None:
         """What the step just verified, the drafts each slot proposed last step, feeds the

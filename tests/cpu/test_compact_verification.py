@@ -352,17 +352,23 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     from vllm_dspark.capacity.allocation import sps_table_from_curve
     from vllm_dspark.patches import sps_autoprofile
 
-    curves = []
+    curves, draft_costs = [], []
     speculator = SimpleNamespace(
         needs_sps_profile=True,
         set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
+        query_cudagraph_manager="draft graphs",
+        set_draft_cost=draft_costs.append,
     )
     runner = SimpleNamespace(speculator=speculator, device="cpu")
     monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [(8, 4.0), (64, 8.0)])
+    monkeypatch.setattr(
+        sps_autoprofile, "time_graph_replays", lambda m: [(1, 0.5), (8, 1.0)] if m else []
+    )
     monkeypatch.setattr(sps_autoprofile, "slowest_rank", lambda rows: rows)
     capture = sps_autoprofile._make_wrapper(lambda runner: 123)
     assert capture(runner) == 123
     assert curves == [([[8, 250.0], [64, 125.0]], True)]
+    assert draft_costs == [[(1, 0.5), (8, 1.0)]]  # the draft graphs, timed the same way
     assert not speculator.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
     table = sps_table_from_curve(curves[0][0], 64)

@@ -10,6 +10,9 @@ they split over the requests (on the device). The modes:
   (:mod:`vllm_dspark.capacity.allocation`), split by survival;
 - ``acceptance``: every request verifies d drafts, d following the recent mean accepted
   length (:mod:`vllm_dspark.capacity.acceptance`); needs no confidence head.
+
+With ``sps`` and its curve profiled at start-up, the drafter's time is profiled too and
+:mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under load.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm_dspark.capacity.allocation import (
     sps_table_from_curve,
     threshold_count,
 )
+from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
@@ -74,6 +78,14 @@ class CapacityControl:
             self.set_sps_curve(self.profiled_sps_curve, device)
         elif options.capacity == "sps":
             self.set_sps_curve(options.sps_curve, device)
+        # Whether to draft at all (sps with profiled costs), and whether the last proposal
+        # did: the step verifying a skipped proposal verifies nothing.
+        self.profiled_draft_ms = getattr(self, "profiled_draft_ms", None)
+        self.draft_gate = None
+        self.drafted_last = True
+        self.proposals_skipped = 0
+        if auto_sps and self.profiled_draft_ms is not None:
+            self.set_draft_cost(self.profiled_draft_ms)
         # acceptance: a depth from the mean accepted length of verified steps.
         self.acceptance = None
         if options.capacity == "acceptance":
@@ -130,6 +142,25 @@ class CapacityControl:
         self._init_capacity(self.vllm_config, self.device)
         return options
 
+    def set_draft_cost(self, rows: list[tuple[int, float]]) -> None:
+        """[(requests, ms)] of one proposal, profiled at start-up: opens the draft gate."""
+        self.profiled_draft_ms = rows
+        if self.options.capacity != "sps" or self.sps_table is None or not rows:
+            return
+        self.draft_gate = DraftGate(
+            self.sps_table.double().cpu(), draft_seconds_table(rows, self.max_num_reqs)
+        )
+        # Recent mean prefix survival per position, for the gate (optimistic at first).
+        self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
+
+    def plan_proposal(self, num_reqs: int, depth: int) -> bool:
+        """Whether the coming proposal drafts (always, unless the draft gate closes)."""
+        if self.draft_gate is None:
+            return True
+        drafting = self.draft_gate.decide(num_reqs, self.stale_survival.per_request(), depth)
+        self.proposals_skipped += not drafting
+        return drafting
+
     def set_sps_curve(self, curve: list, device: torch.device, profiled: bool = False) -> None:
         if profiled:
             self.profiled_sps_curve = curve
@@ -138,6 +169,8 @@ class CapacityControl:
 
     def admission_budget(self, num_reqs: int) -> int:
         """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
+        if not self.drafted_last:
+            return 0  # the proposal being verified drafted nothing
         num_drafts = self.num_speculative_steps
         cap = admission_budget(num_reqs, num_drafts, self.options.budget_frac)
         if self.physical_depth is not None:
@@ -190,6 +223,8 @@ class CapacityControl:
 
     def record_proposal(self, survival: torch.Tensor) -> None:
         """After a real proposal: how many of its drafts threshold / sps want verified."""
+        if self.draft_gate is not None:
+            self.stale_survival.record(survival.clamp(min=0).sum(dim=0), survival.shape[0])
         if self.stale_budget is None:
             return
         if self.options.capacity == "threshold":

@@ -4,7 +4,9 @@ What: wraps ``GPUModelRunner.capture_model`` of ``vllm.v1.worker.gpu.model_runne
 vLLM has captured the target's CUDA graphs, the runner times a decode step for every
 captured FULL decode graph (:mod:`vllm_dspark.capacity.sps_profile`), takes the slowest
 rank's time per point under tensor parallelism (so every rank admits alike) and hands
-the curve to the speculator's ``sps`` capacity mode. A few seconds of start-up.
+the curve to the speculator's ``sps`` capacity mode; then times the speculator's captured
+draft graphs per batch size the same way, for its draft gate
+(:mod:`vllm_dspark.capacity.draft_gate`). A few seconds of start-up.
 Why: the ``sps`` mode needs the target's steps per second against tokens per step on
 this GPU; vLLM 0.26.0 has no hook after graph capture a plugin could use.
 Upstream: none; vLLM's Dynamic SD takes a hand-written batch-size table instead.
@@ -20,7 +22,11 @@ import sys
 import torch
 from vllm.logger import init_logger
 
-from vllm_dspark.capacity.sps_profile import curve_from_times, time_target_steps
+from vllm_dspark.capacity.sps_profile import (
+    curve_from_times,
+    time_graph_replays,
+    time_target_steps,
+)
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError
 from vllm_dspark.patches.wrapping import wrap
 
@@ -55,6 +61,10 @@ def _make_wrapper(capture_model):
             speculator.set_sps_curve(curve, self.device, profiled=True)
             speculator.needs_sps_profile = False
             logger.info("vllm-dspark: SPS curve profiled at start-up [T, steps/s]: %s", curve)
+            manager = speculator.query_cudagraph_manager
+            draft_ms = slowest_rank(time_graph_replays(manager)) if manager else []
+            speculator.set_draft_cost(draft_ms)
+            logger.info("vllm-dspark: draft ms per proposal [R, ms]: %s", draft_ms)
         return result
 
     return capture_model_and_profile

@@ -1,0 +1,99 @@
+"""The draft gate: skip a proposal when drafting costs more than it gains."""
+
+import pytest
+import torch
+
+from vllm_dspark.capacity.draft_gate import HYSTERESIS, DraftGate, draft_seconds_table
+
+K, R_MAX = 7, 256
+
+
+def sps_table(ms_per_token: float, fixed_ms: float) -> torch.Tensor:
+    """A target whose step costs fixed_ms + ms_per_token * T."""
+    tokens = torch.arange(R_MAX * (1 + K) + 1, dtype=torch.float64)
+    return 1000.0 / (fixed_ms + ms_per_token * tokens)
+
+
+def test_draft_cost_table_interpolates_and_grows_past_the_largest_graph():
+    table = draft_seconds_table([(8, 2.0), (1, 1.0), (64, 4.0)], 128)
+    assert table[0].item() == pytest.approx(1e-3)  # held below the first point
+    assert table[36].item() == pytest.approx(3e-3)  # halfway between 8 and 64
+    assert table[128].item() == pytest.approx(8e-3)  # twice the largest graph's batch
+
+
+def test_the_gate_closes_under_load_and_reopens_as_load_leaves():
+    # Weight-bound at small batches (fixed 10 ms), compute-bound at large ones.
+    gate = DraftGate(sps_table(0.05, 10.0), draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX))
+    survival = [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
+    assert gate.decide(1, survival, K)  # one request: speculation pays
+    on, off = gate.gains(1, survival, K)
+    assert on > 1.5 * off
+    assert not gate.decide(256, survival, K)  # every admission costs more than it gains
+    on, off = gate.gains(256, survival, K)
+    assert on < off
+    assert gate.decide(4, survival, K)  # load left: draft again
+    # Drafts that are never accepted are never worth drafting.
+    assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(1, [0.0] * K, K)
+
+
+def test_hysteresis_keeps_a_decision_near_the_break_even():
+    gate = DraftGate(sps_table(0.0, 10.0), torch.zeros(R_MAX + 1, dtype=torch.float64))
+    # With free drafting and a flat target, drafting gains exactly the expected accepted.
+    ratio = 1 + HYSTERESIS / 2  # inside the band either way
+    survival = [ratio - 1] + [0.0] * (K - 1)
+    gate.drafting = True
+    assert gate.decide(8, survival, K)
+    gate.drafting = False
+    assert not gate.decide(8, survival, K)
+    assert gate.decide(8, [0.5] + [0.0] * (K - 1), K)  # clearly better: reopens
+
+
+def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
+    engine_config, model_dirs
+):
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL
+    from vllm_dspark.config import DSparkOptions
+    from vllm_dspark.speculator import DSparkPluginSpeculator
+
+    curve = [[1, 100.0], [16, 99.0], [128, 20.0]]
+    config = engine_config(
+        {
+            "method": "dspark",
+            "model": model_dirs["dspark"],
+            "num_speculative_tokens": K,
+            "dspark_capacity": "sps",
+            "dspark_sps_curve": curve,
+            "dspark_varlen_verify": True,
+        }
+    )
+    with set_current_vllm_config(config):
+        speculator = DSparkPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    assert speculator.plan_proposal(16, K)  # no profiled draft cost: always draft
+    speculator.set_draft_cost([(1, 0.1), (16, 12.0)])  # drafting 16 requests: 12 ms
+    assert speculator.plan_proposal(16, K)  # survivals not seen yet: optimistic
+    for _ in range(2):  # proposals whose drafts are rarely accepted
+        speculator.record_proposal(torch.full((16, K), 0.05))
+    assert not speculator.plan_proposal(16, K) and speculator.proposals_skipped == 1
+    assert speculator.plan_proposal(1, K)  # one request drafts cheaply: worth it again
+    speculator.drafted_last = False
+    assert speculator.admission_budget(16) == 0
+
+    # What the skipped proposal leaves: the anchor as every draft, survival below all.
+    fake = SimpleNamespace(
+        _skip_draft=True,
+        input_buffers=SimpleNamespace(input_ids=torch.arange(100, 100 + 3 * K)),
+        _anchor_idx=torch.arange(3) * K,
+        draft_tokens=torch.zeros(3, K, dtype=torch.long),
+        survival=torch.ones(3, K),
+        draft_logits=torch.zeros(3, K, 200),
+    )
+    DSparkPluginSpeculator._generate_draft(fake, 3)
+    assert fake.draft_tokens.tolist() == [[100] * K, [107] * K, [114] * K]
+    assert (fake.survival == UNCOMPUTED_SURVIVAL).all()
+    assert (fake.draft_logits.argmax(-1) == fake.draft_tokens).all()

@@ -1,0 +1,68 @@
+"""Whether a proposal is worth drafting at all at this load (``sps`` with ``auto``).
+
+The ``sps`` mode picks how many drafts to verify from the target's steps per second,
+SPS(T), but the drafter's own time is spent whatever it admits. Under load a speculative
+step can cost more than it gains even with its best admission, and then the fastest
+choice is not to draft. Before each proposal, with R requests, the recent mean prefix
+survival per position s_1..s_K (:mod:`stale_record`) and the drafter's profiled time
+D(R) for one proposal, the expected tokens per second of drafting and verifying j
+positions per request is
+
+    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R)),      j = 1..depth,
+
+against R SPS(R) without drafting. The gate drafts when the best j wins, with a 2%
+hysteresis either way so that noise does not flip it every step. A skipped proposal still
+lets the drafter store its context K/V (later proposals need it) and verifies no draft:
+the next step's budget is 0 and vLLM runs R tokens, as without speculation. While the gate
+is closed the survival statistics keep their last values, so it reopens as load leaves
+(smaller R). Host arithmetic on values every rank reads alike: every tensor-parallel rank
+decides the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+HYSTERESIS = 0.02
+
+
+def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> torch.Tensor:
+    """Seconds per proposal for R = 0..max_num_reqs from [(R, ms)] of the captured draft
+    graphs: linear between them, held below the first, and growing in proportion to R
+    beyond the last (larger batches draft eagerly, at least as slowly per request)."""
+    reqs, ms = (np.array(column, dtype=np.float64) for column in zip(*sorted(rows), strict=True))
+    batch = np.arange(max_num_reqs + 1, dtype=np.float64)
+    seconds = np.interp(batch, reqs, ms) / 1000.0
+    beyond = batch > reqs[-1]
+    seconds[beyond] = ms[-1] / 1000.0 * batch[beyond] / reqs[-1]
+    return torch.from_numpy(seconds)
+
+
+@dataclass
+class DraftGate:
+    sps_table: torch.Tensor  # steps per second at T tokens per step, T = 0..R_max (1 + K)
+    draft_seconds: torch.Tensor  # seconds per proposal at R requests
+    drafting: bool = True
+
+    def gains(self, num_reqs: int, mean_survival: list[float], depth: int) -> tuple[float, float]:
+        """(best expected tokens/s with drafting, tokens/s without)."""
+        sps = self.sps_table
+        without = num_reqs * float(sps[num_reqs])
+        best, expected = 0.0, 1.0
+        for j in range(1, depth + 1):
+            expected += max(0.0, mean_survival[j - 1])
+            step = 1.0 / float(sps[num_reqs * (1 + j)]) + float(self.draft_seconds[num_reqs])
+            best = max(best, num_reqs * expected / step)
+        return best, without
+
+    def decide(self, num_reqs: int, mean_survival: list[float], depth: int) -> bool:
+        """Whether the coming proposal drafts."""
+        if num_reqs == 0:
+            return self.drafting
+        best, without = self.gains(num_reqs, mean_survival, depth)
+        margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
+        self.drafting = best >= without * margin
+        return self.drafting
