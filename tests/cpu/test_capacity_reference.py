@@ -64,6 +64,16 @@ def test_output_distribution_matches_target(mode, first):
     assert chi_square_p_value(samples.flatten(), joint) > 0.01
 
 
+@pytest.mark.parametrize(
+    "mode,depth", [("off", 2), ("off", 0), ("budget", 2), ("sps", 1), ("threshold", 0)]
+)
+def test_shallow_and_skipped_proposals_keep_the_target_distribution(mode, depth):
+    # Dynamic depth (depth < K) and the draft gate (depth 0): uncomputed positions are
+    # point-mass draws, verified as such where the step is not compacted ("off").
+    samples, joint = two_token_samples(admission(mode, depth=depth), seed=13, first=8)
+    assert chi_square_p_value(samples.flatten(), joint) > 0.01
+
+
 def test_deciding_on_the_current_drafts_confidence_is_caught():
     # DSpark paper, Appendix A: admission that reads the draft it admits biases output.
     leaky = Admission("threshold", threshold=0.5, leak_current_draft=True)

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from vllm_dspark.capacity.allocation import (
+    UNCOMPUTED_SURVIVAL,
     admission_budget,
     budget_capacity,
     prefix_survival,
@@ -58,6 +59,10 @@ class Admission:
     sps_table: torch.Tensor | None = None
     # Test-only: a wrong scheme whose confidence reads the draft it decides about.
     leak_current_draft: bool = False
+    # Positions the drafter computes (dynamic depth; 0: the draft gate skipped the
+    # proposal); the rest repeat the last draft, drawn from a point mass on it, and are
+    # verified only by ``off``, the uncompacted step.
+    depth: int | None = None
     # Per batch: drafts per request the previous step's proposals wanted (threshold, sps),
     # or the depth its acceptance asks for (acceptance).
     _wanted_per_request: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -67,6 +72,8 @@ class Admission:
         """k_r for every request of every batch. [B, R, K] -> [B, R]."""
         num_reqs, num_drafts = survival.shape[-2:]
         cap = admission_budget(num_reqs, num_drafts, self.budget_frac)
+        if self.depth is not None:
+            cap = min(cap, num_reqs * self.depth)
         if self.mode == "off":
             return torch.full(survival.shape[:-1], num_drafts, dtype=torch.int64)
         if self.mode == "budget":
@@ -77,7 +84,7 @@ class Admission:
             return self._depth[:, None].expand(survival.shape[:-1])
         budget = torch.full(survival.shape[:-2], cap, dtype=torch.int64)
         if self._wanted_per_request is not None:
-            budget = (self._wanted_per_request * num_reqs).round().long().clamp(1, cap)
+            budget = (self._wanted_per_request * num_reqs).round().long().clamp(min(1, cap), cap)
         if self.mode == "threshold":
             wanted = threshold_count(survival, self.threshold)
         else:
@@ -112,9 +119,12 @@ def speculative_step(
     """One step for every request: returns (tokens [B, R, K+1], count [B, R]); the first
     ``count`` tokens of each row are the step's output."""
     drafts, draft_probs, conf = [], [], []
+    depth = num_drafts if admission.depth is None else admission.depth
     prev = last
-    for _ in range(num_drafts):
+    for k in range(num_drafts):
         q = pair.draft_probs(prev)
+        if k >= depth:  # not computed: the last draft again, from a point mass on it
+            q = torch.nn.functional.one_hot(prev, q.shape[-1]).to(q.dtype)
         token = _sample(q, gen, greedy)
         source = token if admission.leak_current_draft else prev
         conf.append(pair.confidence_logits[source])
@@ -123,6 +133,7 @@ def speculative_step(
         prev = token
     drafts_t = torch.stack(drafts, dim=-1)  # [B, R, K]
     survival = prefix_survival(torch.stack(conf, dim=-1), torch.ones(num_drafts))
+    survival[..., depth:] = UNCOMPUTED_SURVIVAL
     capacity = admission.capacity(survival)
 
     out = torch.zeros(drafts_t.shape[:-1] + (num_drafts + 1,), dtype=torch.int64)
