@@ -90,6 +90,7 @@ class AdmissionCounts:
     depth: int = 0  # sequential positions the drafter computes now (a gauge)
     depth_changes: int = 0  # dspark_dynamic_depth's changes of depth
     proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
+    fingerprint: int = 0  # CRC of every compacted step's admissions (ranks must agree)
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -101,6 +102,7 @@ class AdmissionCounts:
             self.depth,
             self.depth_changes - other.depth_changes,
             self.proposals_skipped - other.proposals_skipped,
+            self.fingerprint,
         )
 
     @property
@@ -121,6 +123,7 @@ def _worker_admission(worker) -> dict:
         "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
         "depth_changes": getattr(getattr(speculator, "physical_depth", None), "changes", 0),
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
+        "fingerprint": getattr(speculator, "admission_fingerprint", 0),
     }
 
 
@@ -128,4 +131,9 @@ def admission_counts(llm) -> AdmissionCounts:
     """The first rank's admission counters (ranks admit alike); needs
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts, as it calls into the
     worker."""
-    return AdmissionCounts(**llm.collective_rpc(_worker_admission)[0])
+    return admission_counts_per_rank(llm)[0]
+
+
+def admission_counts_per_rank(llm) -> list[AdmissionCounts]:
+    """Every rank's admission counters (tensor parallelism: they must be identical)."""
+    return [AdmissionCounts(**counts) for counts in llm.collective_rpc(_worker_admission)]

@@ -397,7 +397,9 @@ def test_sps_profile_times_the_captured_uniform_decode_graphs_only():
     assert decode_graph_shapes(SimpleNamespace(cudagraph_manager=None)) == []
 
 
-def test_vllms_draft_token_counters_count_the_admitted_drafts(speculator):
+def test_vllms_draft_token_counters_count_the_admitted_drafts(
+    speculator, engine_config, model_dirs
+):
     """The worker reports K - k_r per request with the step's output; the scheduler folds
     it into vLLM's own statistics, which then count verified drafts per position."""
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -415,6 +417,13 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(speculator):
     sample = admission_metrics._make_sample_tokens_wrapper(lambda runner: Async())
     output = sample(runner).get_output()
     assert output.dspark_not_admitted == {"a": 2, "b": 7, "c": 5}
+    fingerprint = speculator.admission_fingerprint
+    assert fingerprint != 0  # the step's admissions, folded in order
+    other = build_speculator(engine_config, model_dirs, dspark_capacity="budget")
+    other.fold_fingerprint([5, 0, 2])
+    assert other.admission_fingerprint == fingerprint
+    other.fold_fingerprint([5, 0, 2])
+    assert other.admission_fingerprint != fingerprint
     assert sample(runner).get_output() is not None  # the next step had no compaction
     assert not hasattr(sample(runner).get_output(), "dspark_not_admitted")
 

@@ -5,7 +5,8 @@ Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy
 "max_tokens", optional "gpu_memory_utilization", "dtype", "enable_prefix_caching",
 "switch" (a list of [name, capacity options] measured one after another in this engine,
 :mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the
-GPU memory the engine does not hold with NaN, then hand it back to the allocator)}.
+GPU memory the engine does not hold with NaN, then hand it back to the allocator),
+"tensor_parallel_size", "max_num_seqs"}.
 Prints one JSON line: the token ids per prompt, the spec-decode counts, the plugin's
 admission counts (compacted steps), the run's tokens per second, and whether vllm-dspark's
 patches were applied.
@@ -36,10 +37,18 @@ def poison_freed_memory(worker, chunk_bytes: int = 256 << 20) -> int:
 
 
 def main(spec: dict) -> None:
+    # Multi-GPU machines here must keep NVLink multicast off (the device's KINDS.md).
+    for name in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts
+    from vllm_dspark.metrics import (
+        AdmissionCounts,
+        SpecDecodeCounts,
+        admission_counts,
+        admission_counts_per_rank,
+    )
     from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
 
     speculative = None
@@ -56,7 +65,8 @@ def main(spec: dict) -> None:
         skip_tokenizer_init=spec.get("dummy", False),
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=1024,
-        max_num_seqs=64,
+        max_num_seqs=spec.get("max_num_seqs", 64),
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         enable_prefix_caching=spec.get("enable_prefix_caching"),
         seed=0,
@@ -106,6 +116,8 @@ def main(spec: dict) -> None:
             result["arms"][name] = measure()
     else:
         result |= measure()
+    if speculative:
+        result["admission_per_rank"] = [asdict(c) for c in admission_counts_per_rank(llm)]
     print("PROBE " + json.dumps(result))
 
 

@@ -23,6 +23,8 @@
 #   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two per call,
 #            e.g. "nospec,dspark-k1" then "dspark-k3,dspark-k7": the second call merges the
 #            first's rows, kept in /tmp on the warm machine)
+#   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
+#            speculation (vLLM; run on kind nvidia-h200-x2 or -x4)
 #   soak     2,000 requests, preemption, aborts, every capacity option, against no
 #            speculation (vLLM; two engines, float32)
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
@@ -107,6 +109,10 @@ case "$stage" in
     timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
       --out "$OUT/step_breakdown.json" 2>&1 | quiet | tail -20
     cp "$OUT/step_breakdown.json" /tmp/step_breakdown.json
+    ;;
+  tp)
+    vllm_env; use_recalibrated
+    timeout 580 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
     ;;
   soak)
     vllm_env; use_recalibrated

@@ -17,6 +17,8 @@ With ``sps`` and its curve profiled at start-up, the drafter's time is profiled 
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from vllm.config import VllmConfig
 
@@ -102,6 +104,8 @@ class CapacityControl:
             (4, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         self.pending_admission = None
+        # CRC of every compacted step's k_r in order: tensor-parallel ranks must agree.
+        self.admission_fingerprint = 0
         self.drafts_proposed = 0  # in compacted steps, for the admitted share
         self.drafts_admitted = 0
         self.compacted_steps = 0
@@ -207,6 +211,10 @@ class CapacityControl:
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(capacity.max(), 1)
             self.physical_depth.observe(num_reqs, max_admitted)
+
+    def fold_fingerprint(self, admitted: list[int]) -> None:
+        data = ",".join(map(str, admitted)).encode() + b";"
+        self.admission_fingerprint = zlib.crc32(data, self.admission_fingerprint)
 
     def take_admission(self):
         """The step's (request ids, k_r on the host once its copies are done), once."""

@@ -1,0 +1,95 @@
+"""On two or more GPUs: tensor parallelism with every capacity option on.
+
+The embedded pair at TP 2 (and 4 where the machine has the GPUs), 500 requests at
+concurrency 64, greedy, float32: no hang, outputs identical to TP 1 without speculation,
+and every rank's admissions identical step by step (a CRC of each compacted step's k_r,
+plus every counter), since ranks that admitted differently would verify different batch
+shapes and hang or diverge.
+
+Set DSPARK_RESULTS_DIR to also write ``tp.json`` there.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_results import write_result
+from subprocess_probe import run_probe
+
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
+
+LLM_PROBE = Path(__file__).with_name("llm_probe.py")
+NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 500, 96, 64
+OPTIONS = {
+    "dspark_capacity": "sps",
+    "dspark_varlen_verify": True,
+    "dspark_dynamic_depth": True,
+    "dspark_online_sts": True,
+    "dspark_confidence_metrics": True,
+}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+    ),
+    pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
+]
+_results: dict = {}
+
+
+def requests() -> list[list[int]]:
+    """500 prompts: the 256 held-out ones, then their first halves."""
+    held_out = load_prompts(num_prompts=256)
+    return (held_out + [p[: len(p) // 2] for p in held_out])[:NUM_REQUESTS]
+
+
+def run(tp: int, options: dict | None) -> dict:
+    spec = {
+        "target": str(EMBEDDED_PAIR / "target"),
+        "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
+        "options": options or {},
+        "prompts": requests(),
+        "max_tokens": MAX_TOKENS,
+        "dtype": "float32",
+        "gpu_memory_utilization": 0.2,
+        "tensor_parallel_size": tp,
+        "max_num_seqs": CONCURRENCY,
+    }
+    return run_probe(LLM_PROBE, json.dumps(spec), timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return run(1, None)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_capacity_control_agrees_across_ranks(reference, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    nospec, spec = run(tp, None), run(tp, OPTIONS)
+    ranks = spec["admission_per_rank"]
+    identical = sum(a == b for a, b in zip(spec["token_ids"], reference["token_ids"], strict=True))
+    _results[f"tp{tp}"] = {
+        "greedy_identical_to_tp1_nospec": identical,
+        "requests": NUM_REQUESTS,
+        "ranks_agree": all(rank == ranks[0] for rank in ranks),
+        "admission_rank0": ranks[0],
+        "acceptance_length": spec["acceptance_length"],
+        "tok_s": {"nospec": nospec["tok_s"], "dspark_all_options": spec["tok_s"]},
+    }
+    write_result(
+        "tp.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_tp_gpu.py",
+        {
+            "setup": f"embedded pair, {NUM_REQUESTS} requests at concurrency {CONCURRENCY}, "
+            f"{MAX_TOKENS} tokens, greedy, float32, k=7",
+            "options": OPTIONS,
+            **_results,
+        },
+    )
+    assert ranks[0]["steps"] > 0
+    assert all(rank == ranks[0] for rank in ranks)
+    assert identical == NUM_REQUESTS
