@@ -167,9 +167,9 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
         start["dspark_sps_curve"] = sps_curve
     switch = []
     for arm in arms:
-        updates = {"dynamic_depth": False} | {
-            key.removeprefix("dspark_"): value for key, value in ARMS[arm].items()
-        }
+        # Options an arm leaves out go back to their defaults (dynamic_depth off): naming
+        # dynamic_depth for the acceptance arm would be refused, as that mode never reads it.
+        updates = {key.removeprefix("dspark_"): value for key, value in ARMS[arm].items()}
         if arm.startswith("sps") and sps_curve:
             updates["sps_curve"] = sps_curve
         switch.append([arm, updates])

@@ -90,7 +90,7 @@ class AdmissionCounts:
     depth: int = 0  # sequential positions the drafter computes now (a gauge)
     depth_changes: int = 0  # dspark_dynamic_depth's changes of depth
     proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
-    fingerprint: int = 0  # CRC of every compacted step's admissions (ranks must agree)
+    fingerprint: int = 0  # hash of every compacted step's admissions (ranks must agree)
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(

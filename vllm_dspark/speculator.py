@@ -34,14 +34,25 @@ from vllm_dspark.head.draft_heads import DraftHeads
 _PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
 
 
-def point_mass_draws(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Record uncomputed positions as drawn from a point mass on ``tokens`` (one per
-    request): a step that cannot be compacted verifies them anyway, and probabilistic
-    verification stays exact for any draft distribution the drafts were really drawn from.
-    draft_logits: [R, positions, V] (written in place); tokens: [R]."""
-    draft_logits.fill_(float("-inf"))
-    index = tokens.view(-1, 1, 1).expand(-1, draft_logits.shape[1], 1)
-    return draft_logits.scatter_(-1, index, 0.0)
+def point_mass_draws(
+    draft_logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, first: int = 0
+) -> None:
+    """Record positions ``first``.. of each request as drawn from a point mass on its token:
+    a step that cannot be compacted verifies them anyway, and probabilistic verification
+    stays exact for any draft distribution the drafts were really drawn from.
+    draft_logits: [max_num_reqs, K, V], rows by request slot as vLLM's samplers index them
+    (written in place); slots, tokens: [R] per batch row. A padded row of a graph replay
+    (slot -1, which would index the last slot) repeats row 0's writes, which agree with
+    them. No host sync: runs inside the captured draft graph."""
+    num_drafts, vocab = draft_logits.shape[1:]
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    rows = torch.where(slots >= 0, rows, 0)
+    slots, tokens = slots[rows].long(), tokens[rows].long()
+    positions = torch.arange(first, num_drafts, device=slots.device)
+    flat_rows = slots[:, None] * num_drafts + positions  # [R, K - first]
+    flat = draft_logits.view(-1, vocab)
+    flat.index_fill_(0, flat_rows.flatten(), float("-inf"))
+    flat.view(-1).index_fill_(0, (flat_rows * vocab + tokens[:, None]).flatten(), 0.0)
 
 
 class NoDraftGraphs:
@@ -171,7 +182,9 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         self.draft_tokens[:num_reqs] = anchor.unsqueeze(1)
         self.survival[:num_reqs] = UNCOMPUTED_SURVIVAL
         if self.draft_logits is not None:
-            point_mass_draws(self.draft_logits[:num_reqs], anchor)
+            num_drafts = self.num_speculative_steps
+            slots = self.sample_idx_mapping[: num_reqs * num_drafts].view(num_reqs, num_drafts)
+            point_mass_draws(self.draft_logits, slots[:, 0], anchor)
         return None
 
     def _observe_verification(self, input_batch, slots, num_sampled) -> None:
@@ -247,7 +260,7 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
             # Positions not computed: a valid token id, never admitted (survival below all).
             self.draft_tokens[:num_reqs, depth:] = previous.unsqueeze(1)
             if self.draft_logits is not None:
-                point_mass_draws(self.draft_logits[:num_reqs, depth:], previous)
+                point_mass_draws(self.draft_logits, slots[:, 0], previous, first=depth)
         if self.synthetic is not None:
             self.confidence_logits[:num_reqs] = self.synthetic.draw(num_reqs)
         if self.has_confidence:

@@ -143,6 +143,8 @@ def test_stale_modes_take_their_budget_from_the_previous_step():
 def test_sps_table_interpolates_and_holds_its_ends():
     table = sps_table_from_curve([(2, 100.0), (4, 50.0)], 6)
     assert table.tolist() == [100.0, 100.0, 100.0, 75.0, 50.0, 50.0, 50.0]
+    # sps_curve=auto with a single captured decode graph profiles one point: flat, no NaN.
+    assert sps_table_from_curve([[8, 100.0]], 16).tolist() == [100.0] * 17
 
 
 @pytest.mark.parametrize("mode", ["threshold", "budget", "sps"])

@@ -81,11 +81,12 @@ def test_compacted_batch_verifies_the_budgets_best_prefixes(speculator):
     assert (speculator.compacted_steps, speculator.graph_steps) == (1, 0)
 
 
-def scheduler_output(counts, drafts, structured=False):
+def scheduler_output(counts, drafts, structured=False, new=()):
     return SimpleNamespace(
         num_scheduled_tokens=counts,
         scheduled_spec_decode_tokens=drafts,
         has_structured_output_requests=structured,
+        scheduled_new_reqs=list(new),
     )
 
 
@@ -106,6 +107,11 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     both = {"a": 1 + K, "b": 1 + K}
     assert _step_budget(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
     assert _step_budget(runner, scheduler_output({}, {})) is None
+    # A new or resumed request whose prompt is cached but for one token: vLLM pads it to
+    # 1 + K with placeholder drafts, and the runner has no slot for it yet.
+    padded = {"a": 1 + K, "new": 1 + K}
+    new_drafts = {"a": [-1] * K, "new": [-1] * K}
+    assert _step_budget(runner, scheduler_output(padded, new_drafts, new=["new"])) is None
 
 
 def test_stale_record_reads_the_proposal_before_the_last():
@@ -413,17 +419,23 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(
         def get_output(self):
             return SimpleNamespace(req_ids=["a", "b", "c"])
 
+    # The step's admissions are folded as it is prepared, on every rank (only one rank's
+    # output reaches the scheduler): no get_output needed.
+    fingerprint = speculator.admission_fingerprint
+    assert fingerprint != 0
     runner = SimpleNamespace(speculator=speculator)
     sample = admission_metrics._make_sample_tokens_wrapper(lambda runner: Async())
     output = sample(runner).get_output()
     assert output.dspark_not_admitted == {"a": 2, "b": 7, "c": 5}
-    fingerprint = speculator.admission_fingerprint
-    assert fingerprint != 0  # the step's admissions, folded in order
+    assert speculator.admission_fingerprint == fingerprint
     other = build_speculator(engine_config, model_dirs, dspark_capacity="budget")
-    other.fold_fingerprint([5, 0, 2])
+    other.fold_fingerprint(torch.tensor([5, 0, 2]))
     assert other.admission_fingerprint == fingerprint
-    other.fold_fingerprint([5, 0, 2])
+    other.fold_fingerprint(torch.tensor([5, 0, 2]))
     assert other.admission_fingerprint != fingerprint
+    swapped = build_speculator(engine_config, model_dirs, dspark_capacity="budget")
+    swapped.fold_fingerprint(torch.tensor([0, 5, 2]))  # same counts, other requests
+    assert swapped.admission_fingerprint != fingerprint
     assert sample(runner).get_output() is not None  # the next step had no compaction
     assert not hasattr(sample(runner).get_output(), "dspark_not_admitted")
 

@@ -85,15 +85,20 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
     assert speculator.admission_budget(16) == 0
 
     # What the skipped proposal leaves: the anchor as every draft, survival below all.
+    slots = torch.tensor([5, 0, 2], dtype=torch.int32)  # request slots of the batch rows
     fake = SimpleNamespace(
         _skip_draft=True,
+        num_speculative_steps=K,
         input_buffers=SimpleNamespace(input_ids=torch.arange(100, 100 + 3 * K)),
         _anchor_idx=torch.arange(3) * K,
+        sample_idx_mapping=slots.repeat_interleave(K),
         draft_tokens=torch.zeros(3, K, dtype=torch.long),
         survival=torch.ones(3, K),
-        draft_logits=torch.zeros(3, K, 200),
+        draft_logits=torch.zeros(6, K, 200),
     )
     DSparkPluginSpeculator._generate_draft(fake, 3)
     assert fake.draft_tokens.tolist() == [[100] * K, [107] * K, [114] * K]
     assert (fake.survival == UNCOMPUTED_SURVIVAL).all()
-    assert (fake.draft_logits.argmax(-1) == fake.draft_tokens).all()
+    # The point masses sit in the rows of the requests' slots, where verification reads.
+    assert (fake.draft_logits[slots.long()].argmax(-1) == fake.draft_tokens).all()
+    assert (fake.draft_logits[[1, 3, 4]] == 0).all()

@@ -107,6 +107,10 @@ def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
         speculator.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
     assert speculator.physical_depth.depth == 2
     assert speculator.graph_steps == speculator.compacted_steps == 3 * WINDOW_STEPS
+    # Steps verifying skipped proposals (draft gate closed, budget 0) leave the depth be.
+    for _ in range(4 * WINDOW_STEPS):
+        speculator.record_admission(["a", "b", "c"], 0, True, torch.tensor([0, 0, 0]))
+    assert speculator.physical_depth.depth == 2
 
 
 def test_a_running_engine_switches_between_the_arms_it_was_started_for(
@@ -123,7 +127,8 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
     importlib.import_module(compact_verification.RUNNER_MODULE)
     compact_verification.apply()  # as building a capacity speculator does in a worker
     curve = [[1, 100.0], [64, 90.0], [512, 30.0]]
-    start, switches = shared_engine_plan(["budget", "threshold", "sps-depth"], None)
+    arms = ["budget", "threshold", "sps-depth", "acceptance", "sps"]
+    start, switches = shared_engine_plan(arms, None)
     start["dspark_sps_curve"] = curve  # this CPU platform has no graphs to profile
     config = engine_config(
         {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K, **start}
@@ -159,8 +164,19 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
 def test_uncomputed_positions_are_point_masses_on_their_token():
     from vllm_dspark.speculator import point_mass_draws
 
-    logits = torch.randn(3, 4, 10)
-    point_mass_draws(logits, torch.tensor([2, 7, 0]))
+    # Draft logits are indexed by request slot (vLLM's samplers read them so), not by
+    # batch row; the last row is a padded row of a graph replay (slot -1).
+    logits = torch.randn(6, 4, 10)
+    before = logits.clone()
+    point_mass_draws(logits, torch.tensor([4, 1, -1], dtype=torch.int32), torch.tensor([2, 7, 9]))
     probs = logits.softmax(dim=-1)
-    assert torch.equal(probs.argmax(dim=-1), torch.tensor([[2] * 4, [7] * 4, [0] * 4]))
-    assert torch.equal(probs.max(dim=-1).values, torch.ones(3, 4))
+    assert torch.equal(probs[[4, 1]].argmax(dim=-1), torch.tensor([[2] * 4, [7] * 4]))
+    assert torch.equal(probs[[4, 1]].max(dim=-1).values, torch.ones(2, 4))
+    untouched = [0, 2, 3, 5]  # the batch rows' indices and the padded row's -1 among them
+    assert torch.equal(logits[untouched], before[untouched])
+    # Only the positions not computed, from ``first`` on.
+    logits = before.clone()
+    point_mass_draws(logits, torch.tensor([3, 0]), torch.tensor([5, 6]), first=2)
+    assert torch.equal(logits[[3, 0], :2], before[[3, 0], :2])
+    assert logits[3, 2:].argmax(dim=-1).tolist() == [5, 5] and logits[0, 3, 6] == 0
+    assert torch.isinf(logits[[3, 0], 2:]).sum() == 2 * 2 * 9

@@ -2,7 +2,7 @@
 
 The embedded pair at TP 2 (and 4 where the machine has the GPUs), 500 requests at
 concurrency 64, greedy, float32: no hang, outputs identical to TP 1 without speculation,
-and every rank's admissions identical step by step (a CRC of each compacted step's k_r,
+and every rank's admissions identical step by step (a hash of each compacted step's k_r,
 plus every counter), since ranks that admitted differently would verify different batch
 shapes and hang or diverge.
 

@@ -140,5 +140,6 @@ def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> tor
     index = torch.searchsorted(points[:, 0].contiguous(), tokens).clamp(1, len(curve) - 1)
     t0, t1 = points[index - 1, 0], points[index, 0]
     v0, v1 = points[index - 1, 1], points[index, 1]
-    weight = ((tokens - t0) / (t1 - t0)).clamp(0.0, 1.0)
+    # A one-point curve (e.g. profiled with a single decode graph) has t1 == t0.
+    weight = ((tokens - t0) / (t1 - t0).clamp(min=1.0)).clamp(0.0, 1.0)
     return (v0 + weight * (v1 - v0)).float()

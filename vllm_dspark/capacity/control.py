@@ -17,8 +17,6 @@ With ``sps`` and its curve profiled at start-up, the drafter's time is profiled 
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 from vllm.config import VllmConfig
 
@@ -34,6 +32,10 @@ from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
+
+# The admission fingerprint's modulus (2^31 - 1) and multiplier: products fit in int64.
+_FINGERPRINT_MOD = 2_147_483_647
+_FINGERPRINT_MUL = 1_000_003
 
 # Options a running engine can switch (benchmarks compare capacity arms in one engine);
 # what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
@@ -104,8 +106,14 @@ class CapacityControl:
             (4, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         self.pending_admission = None
-        # CRC of every compacted step's k_r in order: tensor-parallel ranks must agree.
-        self.admission_fingerprint = 0
+        # A hash of every compacted step's k_r in order: tensor-parallel ranks must agree.
+        # Folded on the device as each step is prepared, on every rank: only one rank's
+        # output ever reaches the scheduler (and its get_output), so a host-side fold there
+        # would leave the other ranks at 0.
+        self.fingerprint = torch.zeros((), dtype=torch.int64, device=device)
+        # Distinct weights per batch row, so that k_r moved between rows changes the hash.
+        weights = torch.arange(self.max_num_reqs, dtype=torch.int64) * 40503 % 65521 + 1
+        self.fingerprint_weights = weights.to(device)
         self.drafts_proposed = 0  # in compacted steps, for the admitted share
         self.drafts_admitted = 0
         self.compacted_steps = 0
@@ -207,14 +215,25 @@ class CapacityControl:
         slot = self.admitted_host[self.compacted_steps % len(self.admitted_host), :num_reqs]
         slot.copy_(capacity, non_blocking=True)
         self.pending_admission = (req_ids, slot)
-        if self.physical_depth is not None:
+        self.fold_fingerprint(capacity)
+        if self.physical_depth is not None and budget > 0:
+            # (A step verifying a skipped proposal admits 0 because nothing was drafted:
+            # counting it would sink the depth to 1 while the draft gate is closed, and
+            # the gate, which weighs depths up to that one, would then stay closed.)
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(capacity.max(), 1)
             self.physical_depth.observe(num_reqs, max_admitted)
 
-    def fold_fingerprint(self, admitted: list[int]) -> None:
-        data = ",".join(map(str, admitted)).encode() + b";"
-        self.admission_fingerprint = zlib.crc32(data, self.admission_fingerprint)
+    def fold_fingerprint(self, admitted: torch.Tensor) -> None:
+        """h = (h * M + sum_r w_r k_r + R) mod 2^31 - 1, on the device (no host sync);
+        every term stays within int64."""
+        num_reqs = admitted.shape[0]
+        step = (admitted.long() * self.fingerprint_weights[:num_reqs]).sum() + num_reqs
+        self.fingerprint.mul_(_FINGERPRINT_MUL).add_(step).remainder_(_FINGERPRINT_MOD)
+
+    @property
+    def admission_fingerprint(self) -> int:
+        return int(self.fingerprint.item())
 
     def take_admission(self):
         """The step's (request ids, k_r on the host once its copies are done), once."""

@@ -30,12 +30,9 @@ RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 NOT_ADMITTED_ATTR = "dspark_not_admitted"
 
 
-def attach_not_admitted(output, pending, num_drafts: int, speculator=None):
-    """Once the step's host copies are done: {request: K - k_r} onto its output, and the
-    step's admissions folded into the speculator's fingerprint (ranks compare them)."""
+def attach_not_admitted(output, pending, num_drafts: int):
+    """Once the step's host copies are done: {request: K - k_r} onto its output."""
     req_ids, admitted = pending
-    if speculator is not None:
-        speculator.fold_fingerprint(admitted.tolist())
     not_admitted = {
         req_id: num_drafts - k
         for req_id, k in zip(req_ids, admitted.tolist(), strict=True)
@@ -56,7 +53,7 @@ def _make_sample_tokens_wrapper(sample_tokens):
         num_drafts = self.speculator.num_speculative_steps
 
         def get_output_with_admission():
-            return attach_not_admitted(get_output(), pending, num_drafts, self.speculator)
+            return attach_not_admitted(get_output(), pending, num_drafts)
 
         output.get_output = get_output_with_admission
         return output

@@ -54,7 +54,9 @@ def _step_budget(runner, scheduler_output) -> int | None:
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
     counts = scheduler_output.num_scheduled_tokens
-    if not counts:
+    if not counts or scheduler_output.scheduled_new_reqs:
+        # New (or resumed) requests are not in the runner's slots yet, and vLLM pads one
+        # with a single token left to decode-shaped 1 + K: its drafts were never proposed.
         return None
     drafts = scheduler_output.scheduled_spec_decode_tokens
     decode_only = all(
