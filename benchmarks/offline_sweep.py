@@ -73,6 +73,29 @@ ARMS = {
 }
 
 
+def engine_kwargs(target: str, dummy: bool = True) -> dict:
+    """The engine arguments of every sweep arm (and of step_breakdown.py)."""
+    return dict(
+        model=target,
+        load_format="dummy" if dummy else "auto",
+        skip_tokenizer_init=dummy,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.85,
+        seed=0,
+        disable_log_stats=False,
+    )
+
+
+def sweep_prompts(count: int, offset: int, prompt_len: int) -> list[dict]:
+    """``count`` token-id prompts of ``prompt_len`` tokens, distinct per ``offset``."""
+    return [
+        {"prompt_token_ids": [3 + (13 * i + j + offset) % 4000 for j in range(prompt_len)]}
+        for i in range(count)
+    ]
+
+
 def conditional_rates(unconditional: list[float]) -> list[float]:
     """P(draft k accepted | drafts before it were) from P(drafts 1..k accepted)."""
     return [u / (unconditional[k - 1] if k else 1.0) for k, u in enumerate(unconditional)]
@@ -103,29 +126,11 @@ def run_arm_here(spec: dict) -> None:
         speculative |= options
         # admission_counts() reads the speculator's counters in the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = LLM(
-        model=spec["target"],
-        load_format="dummy" if spec["dummy"] else "auto",
-        skip_tokenizer_init=spec["dummy"],
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=256,
-        gpu_memory_utilization=0.85,
-        seed=0,
-        disable_log_stats=False,
-        speculative_config=speculative,
-    )
+    llm = LLM(**engine_kwargs(spec["target"], spec["dummy"]), speculative_config=speculative)
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
 
     def prompts(count: int, offset: int):
-        return [
-            {
-                "prompt_token_ids": [
-                    3 + (13 * i + j + offset) % 4000 for j in range(spec["prompt_len"])
-                ]
-            }
-            for i in range(count)
-        ]
+        return sweep_prompts(count, offset, spec["prompt_len"])
 
     llm.generate(prompts(8, 0), params, use_tqdm=False)
     speculating = speculative is not None

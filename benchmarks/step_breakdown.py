@@ -117,7 +117,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 
-from offline_sweep import DEFAULT_RATES  # noqa: E402
+from offline_sweep import DEFAULT_RATES, engine_kwargs, sweep_prompts  # noqa: E402
 from shapes import write_shape  # noqa: E402
 
 SHAPE = "qwen3-8b"
@@ -804,21 +804,6 @@ def speculative_config(k: int, draft: str, rates: str) -> dict | None:
     }
 
 
-def engine_kwargs(target: str) -> dict:
-    """The engine arguments of offline_sweep.py."""
-    return dict(
-        model=target,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=256,
-        gpu_memory_utilization=0.85,
-        seed=0,
-        disable_log_stats=False,
-    )
-
-
 def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one ROW line each."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # before the engine starts
@@ -837,14 +822,7 @@ def run_arm_here(spec: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
 
     def prompts(count: int, offset: int):
-        return [
-            {
-                "prompt_token_ids": [
-                    3 + (13 * i + j + offset) % 4000 for j in range(spec["prompt_len"])
-                ]
-            }
-            for i in range(count)
-        ]
+        return sweep_prompts(count, offset, spec["prompt_len"])
 
     llm.generate(prompts(8, 0), params, use_tqdm=False)
     probe = llm.collective_rpc(install_probe, args=(spec["shadow"],))[0]

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from gpu_options import EVERY_CAPACITY_OPTION
 from gpu_results import write_result
 from subprocess_probe import run_probe, without_dspark_plugin
 
@@ -22,13 +23,6 @@ from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_PROMPTS, MAX_TOKENS = 64, 96
-OPTIONS = {
-    "dspark_capacity": "sps",
-    "dspark_varlen_verify": True,
-    "dspark_dynamic_depth": True,
-    "dspark_online_sts": True,
-    "dspark_confidence_metrics": True,
-}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +48,7 @@ def run(draft: bool, options: dict, plugin: bool) -> dict:
 def test_poisoned_free_memory_changes_no_output():
     reference = run(draft=False, options={}, plugin=True)
     stock = run(draft=True, options={}, plugin=False)
-    plugin = run(draft=True, options=OPTIONS, plugin=True)
+    plugin = run(draft=True, options=EVERY_CAPACITY_OPTION, plugin=True)
     record = {
         name: {
             "greedy_identical_prompts": sum(
@@ -70,7 +64,7 @@ def test_poisoned_free_memory_changes_no_output():
         {
             "setup": f"embedded pair, {NUM_PROMPTS} prompts, {MAX_TOKENS} tokens, float32, "
             "free GPU memory filled with NaN after capture and warm-up",
-            "options": OPTIONS,
+            "options": EVERY_CAPACITY_OPTION,
             "stock_fails": record["stock"]["greedy_identical_prompts"] < NUM_PROMPTS,
             **record,
         },

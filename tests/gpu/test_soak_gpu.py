@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
+from gpu_options import EVERY_CAPACITY_OPTION
 from gpu_results import write_result
 from subprocess_probe import run_probe
 
@@ -22,13 +23,6 @@ from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 SOAK_PROBE = Path(__file__).with_name("soak_probe.py")
 NUM_REQUESTS, NUM_GPU_BLOCKS = 2000, 160
-OPTIONS = {
-    "dspark_capacity": "sps",
-    "dspark_varlen_verify": True,
-    "dspark_dynamic_depth": True,
-    "dspark_online_sts": True,
-    "dspark_confidence_metrics": True,
-}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +50,7 @@ def run(requests, draft: bool) -> dict:
     spec = {
         "target": str(EMBEDDED_PAIR / "target"),
         "draft": str(EMBEDDED_PAIR / "draft") if draft else None,
-        "options": OPTIONS if draft else {},
+        "options": EVERY_CAPACITY_OPTION if draft else {},
         "requests": requests,
         "num_gpu_blocks": NUM_GPU_BLOCKS,
         "dtype": "float32",
@@ -78,7 +72,7 @@ def test_soak_with_every_option_is_lossless_and_leaks_nothing():
         {
             "setup": f"embedded pair, {NUM_REQUESTS} requests, {NUM_GPU_BLOCKS} KV blocks, "
             "prefix caching on, float32, k=7",
-            "options": OPTIONS,
+            "options": EVERY_CAPACITY_OPTION,
             "finished": len(finished),
             "aborted": len(speculative["aborted"]),
             "preemptions": speculative["preemptions"],

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_options import EVERY_CAPACITY_OPTION
 from gpu_results import write_result
 from subprocess_probe import run_probe
 
@@ -21,13 +22,6 @@ from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 500, 96, 64
-OPTIONS = {
-    "dspark_capacity": "sps",
-    "dspark_varlen_verify": True,
-    "dspark_dynamic_depth": True,
-    "dspark_online_sts": True,
-    "dspark_confidence_metrics": True,
-}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +63,7 @@ def reference() -> dict:
 def test_tensor_parallel_capacity_control_agrees_across_ranks(reference, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    nospec, spec = run(tp, None), run(tp, OPTIONS)
+    nospec, spec = run(tp, None), run(tp, EVERY_CAPACITY_OPTION)
     ranks = spec["admission_per_rank"]
     identical = sum(a == b for a, b in zip(spec["token_ids"], reference["token_ids"], strict=True))
     _results[f"tp{tp}"] = {
@@ -86,7 +80,7 @@ def test_tensor_parallel_capacity_control_agrees_across_ranks(reference, tp):
         {
             "setup": f"embedded pair, {NUM_REQUESTS} requests at concurrency {CONCURRENCY}, "
             f"{MAX_TOKENS} tokens, greedy, float32, k=7",
-            "options": OPTIONS,
+            "options": EVERY_CAPACITY_OPTION,
             **_results,
         },
     )
