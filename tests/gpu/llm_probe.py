@@ -19,9 +19,18 @@ import time
 from dataclasses import asdict
 
 
+def fixed_kv_cache_bytes() -> int | None:
+    """DSPARK_PROBE_KV_CACHE_BYTES: a fixed KV-cache size, so that vLLM skips its memory
+    profiling, which other engines starting on the same GPU would disturb (several probes
+    run at once on one GPU in tools/device/gpu_stage.sh hardening)."""
+    value = os.environ.get("DSPARK_PROBE_KV_CACHE_BYTES")
+    return int(value) if value else None
+
+
 def poison_freed_memory(worker, chunk_bytes: int = 256 << 20) -> int:
-    """Runs in the worker: every byte the caching allocator can hand out next holds NaN
-    (memory held by tensors and CUDA-graph pools is untouched). Returns the bytes."""
+    """Runs in the worker: the next bytes the caching allocator hands out hold NaN, up to
+    DSPARK_PROBE_POISON_GIB (default: all free memory) (memory held by tensors and
+    CUDA-graph pools is untouched). Returns the bytes."""
     import gc
 
     import torch
@@ -29,7 +38,8 @@ def poison_freed_memory(worker, chunk_bytes: int = 256 << 20) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     chunks = []
-    while torch.cuda.mem_get_info()[0] > 2 * chunk_bytes:
+    limit = float(os.environ.get("DSPARK_PROBE_POISON_GIB", "inf")) * (1 << 30)
+    while torch.cuda.mem_get_info()[0] > 2 * chunk_bytes and len(chunks) * chunk_bytes < limit:
         chunks.append(torch.full((chunk_bytes // 4,), float("nan"), device="cuda"))
     poisoned = len(chunks) * chunk_bytes
     del chunks  # back to the allocator's cache, NaN inside
@@ -68,6 +78,7 @@ def main(spec: dict) -> None:
         max_num_seqs=spec.get("max_num_seqs", 64),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
+        kv_cache_memory_bytes=fixed_kv_cache_bytes(),
         enable_prefix_caching=spec.get("enable_prefix_caching"),
         seed=0,
         disable_log_stats=False,

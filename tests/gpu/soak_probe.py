@@ -30,6 +30,8 @@ def main(spec: dict) -> None:
             max_num_seqs=64,
             num_gpu_blocks_override=spec["num_gpu_blocks"],
             gpu_memory_utilization=0.1,
+            # As in llm_probe.py: a fixed size when several probes share the GPU.
+            kv_cache_memory_bytes=int(os.environ.get("DSPARK_PROBE_KV_CACHE_BYTES", 0)) or None,
             enable_prefix_caching=True,
             seed=0,
             disable_log_stats=False,

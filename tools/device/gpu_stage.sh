@@ -32,6 +32,10 @@
 #            Qwen3-8B shape, vLLM's synthetic acceptance (vLLM; three engines)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
+#   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
+#            fixed 2 GiB KV cache, so concurrent starts cannot disturb vLLM's memory
+#            profiling; the freed-memory test poisons 16 GiB): test_pair_arms_gpu,
+#            test_prefix_cache_gpu, test_freed_memory_gpu, test_soak_gpu; one log
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -130,6 +134,18 @@ case "$stage" in
   sts)
     vllm_env; use_recalibrated
     timeout 500 python3 benchmarks/online_sts_convergence.py --out "$OUT/online_sts.json" 2>&1 | quiet | tail -20
+    ;;
+  hardening)
+    vllm_env; use_recalibrated
+    export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30)) DSPARK_PROBE_POISON_GIB=16
+    for test in pair_arms prefix_cache freed_memory soak; do
+      timeout 570 python3 -m pytest "tests/gpu/test_${test}_gpu.py" -q -p no:cacheprovider -rA \
+        > "/tmp/hardening_$test.log" 2>&1 &
+    done
+    wait
+    for test in pair_arms prefix_cache freed_memory soak; do
+      echo "== $test"; tail -25 "/tmp/hardening_$test.log"
+    done | tee "$OUT/hardening.log" | grep -v "^  \|^$" | grep "==\|passed\|failed\|Error\|assert" | head -40
     ;;
   capacity-embedded)
     vllm_env
