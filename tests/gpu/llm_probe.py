@@ -2,14 +2,16 @@
 
 Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
 (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
-"max_tokens", optional "gpu_memory_utilization", "dtype", "enable_prefix_caching",
-"switch" (a list of [name, capacity options] measured one after another in this engine,
+"max_tokens" (one for all prompts, or a list with one per prompt), optional
+"gpu_memory_utilization", "dtype", "enable_prefix_caching", "switch" (a list of [name,
+capacity options] measured one after another in this engine,
 :mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the
 GPU memory the engine does not hold with NaN, then hand it back to the allocator),
-"tensor_parallel_size", "max_num_seqs"}.
+"check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
+:func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs"}.
 Prints one JSON line: the token ids per prompt, the spec-decode counts, the plugin's
-admission counts (compacted steps), the run's tokens per second, and whether vllm-dspark's
-patches were applied.
+admission counts (compacted steps), the run's tokens per second, whether vllm-dspark's
+patches were applied, and with "check_draft_slots" the check's counts ("draft_slots").
 """
 
 import json
@@ -46,6 +48,134 @@ def poison_freed_memory(worker, chunk_bytes: int = 256 << 20) -> int:
     return poisoned
 
 
+def install_draft_slot_check(worker) -> None:
+    """Runs in the worker: hardening case 4, stale draft-slot writes. A draft graph replayed
+    for more requests than the batch holds has padded sample rows; none of them may write
+    a request slot's draft state. Around every step's ``sample_tokens`` (sampling, the
+    proposal, and the runner storing its drafts by slot), the slot rows not in the batch
+    hold a sentinel in every per-slot buffer a proposal's results land in: the runner's
+    ``req_states.draft_tokens`` ([max_num_reqs, K], stock and plugin), the speculator's
+    ``draft_logits`` (probabilistic drafting only) and the plugin's ``slot_survival`` and
+    ``slot_confidence_logits``. Afterwards, on the device (no added host sync), it counts
+    the rows of slots not in the batch that lost the sentinel, and the batch's slot rows
+    that differ from what the proposal returned (the drafts; with a confidence head also
+    the survival and confidence logits); then the rows that still hold the sentinel get
+    their contents back, so nothing after the step sees it. On the host it counts the
+    draft graph replays (``run_fullgraph`` of the speculator's draft graph managers, every
+    depth's with dynamic depth), and those padded beyond the batch, split by whether slot
+    0 was in the batch."""
+    import torch
+
+    runner = worker.model_runner
+    speculator = runner.speculator
+    names = ["steps", "proposals", "free_slot_rows", "full_replays", "padded_replays"]
+    names += ["padded_rows", "padded_replays_slot0_free", "padded_replays_slot0_busy"]
+    check = {"counts": dict.fromkeys(names, 0), "stale": {}, "mismatched": {}}
+    check["drafts"] = check["replayed"] = None
+    runner.dspark_draft_slot_check = check
+
+    def slot_buffers() -> dict:
+        buffers = {"draft_tokens": runner.req_states.draft_tokens}
+        for name in ("draft_logits", "slot_survival", "slot_confidence_logits"):
+            if getattr(speculator, name, None) is not None:
+                buffers[name] = getattr(speculator, name)
+        return buffers
+
+    def sentinel(buffer):
+        return torch.finfo(buffer.dtype).min if buffer.is_floating_point() else -7
+
+    def by_row(mask, buffer):
+        return mask.view(-1, *[1] * (buffer.dim() - 1))
+
+    def count(kind: str, name: str, rows) -> None:
+        counters = check[kind]
+        if name not in counters:
+            counters[name] = torch.zeros((), dtype=torch.int64, device=rows.device)
+        counters[name].add_(rows.sum())
+
+    def differing_rows(a, b):
+        return (a != b).flatten(1).any(1)
+
+    propose = speculator.propose
+
+    def propose_and_keep(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        if not kwargs.get("dummy_run", False):
+            check["drafts"] = drafts.clone()
+        return drafts
+
+    speculator.propose = propose_and_keep  # instance attributes shadow the class's methods
+    managers = [speculator.query_cudagraph_manager]
+    managers += getattr(speculator, "_depth_graphs", {}).values()
+    for manager in {id(m): m for m in managers if m is not None}.values():
+
+        def replay(desc, run=manager.run_fullgraph):
+            check["replayed"] = desc
+            return run(desc)
+
+        manager.run_fullgraph = replay
+
+    sample_tokens = runner.sample_tokens
+
+    @torch.inference_mode()  # as vLLM's own: its buffers may be inference tensors
+    def sample_tokens_checked(*args, **kwargs):
+        state = runner.execute_model_state
+        if state is None:
+            return sample_tokens(*args, **kwargs)
+        batch = state.input_batch
+        num_reqs = batch.num_reqs
+        slots = batch.idx_mapping[:num_reqs].long()
+        buffers = slot_buffers()
+        num_slots = runner.req_states.draft_tokens.shape[0]
+        free = torch.ones(num_slots, dtype=torch.bool, device=slots.device)
+        free[slots] = False
+        saved = {name: buffer.clone() for name, buffer in buffers.items()}
+        for buffer in buffers.values():
+            buffer.masked_fill_(by_row(free, buffer), sentinel(buffer))
+        check["drafts"] = check["replayed"] = None
+        output = sample_tokens(*args, **kwargs)
+        for name, buffer in buffers.items():
+            held = buffer == sentinel(buffer)
+            count("stale", name, free & ~held.flatten(1).all(1))
+            buffer.copy_(torch.where(by_row(free, buffer) & held, saved[name], buffer))
+        drafts = check["drafts"]
+        if drafts is not None:
+            stored = runner.req_states.draft_tokens[slots]
+            count("mismatched", "draft_tokens", differing_rows(stored, drafts))
+            if getattr(speculator, "has_confidence", False):
+                for name, source in (
+                    ("slot_survival", speculator.survival),
+                    ("slot_confidence_logits", speculator.confidence_logits),
+                ):
+                    stored = getattr(speculator, name)[slots]
+                    count("mismatched", name, differing_rows(stored, source[:num_reqs]))
+        counts, desc = check["counts"], check["replayed"]
+        counts["steps"] += 1
+        counts["proposals"] += drafts is not None
+        counts["free_slot_rows"] += num_slots - num_reqs
+        if desc is not None:
+            counts["full_replays"] += 1
+            padded_to = desc.num_reqs or num_reqs
+            if padded_to > num_reqs:
+                counts["padded_replays"] += 1
+                counts["padded_rows"] += padded_to - num_reqs
+                slot0 = "busy" if 0 in batch.idx_mapping_np[:num_reqs] else "free"
+                counts[f"padded_replays_slot0_{slot0}"] += 1
+        return output
+
+    runner.sample_tokens = sample_tokens_checked
+
+
+def read_draft_slot_check(worker) -> dict:
+    """Runs in the worker: :func:`install_draft_slot_check`'s counts so far."""
+    check = worker.model_runner.dspark_draft_slot_check
+    return {
+        **check["counts"],
+        "stale_rows": {name: int(rows) for name, rows in check["stale"].items()},
+        "mismatched_rows": {name: int(rows) for name, rows in check["mismatched"].items()},
+    }
+
+
 def main(spec: dict) -> None:
     # Multi-GPU machines here must keep NVLink multicast off (the device's KINDS.md).
     for name in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
@@ -66,7 +196,7 @@ def main(spec: dict) -> None:
         speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
         speculative.update(spec.get("options", {}))
     if speculative or spec.get("poison_freed_memory"):
-        # admission_counts() and the poisoning call into the worker.
+        # admission_counts(), the poisoning and the draft-slot check call into the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     start = time.perf_counter()
     llm = LLM(
@@ -86,11 +216,16 @@ def main(spec: dict) -> None:
     )
     load_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    max_tokens = spec["max_tokens"]
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     poisoned = 0
     if spec.get("poison_freed_memory"):
         poisoned = llm.collective_rpc(poison_freed_memory)[0]
+    if spec.get("check_draft_slots"):
+        llm.collective_rpc(install_draft_slot_check)
 
     def admission() -> AdmissionCounts:
         return admission_counts(llm) if speculative else AdmissionCounts()
@@ -123,12 +258,14 @@ def main(spec: dict) -> None:
         result["arms"] = {}
         for name, updates in spec["switch"]:
             switch_capacity(llm, **updates)
-            llm.generate(prompts[:4], params, use_tqdm=False)
+            llm.generate(prompts[:4], params[:4], use_tqdm=False)
             result["arms"][name] = measure()
     else:
         result |= measure()
     if speculative:
         result["admission_per_rank"] = [asdict(c) for c in admission_counts_per_rank(llm)]
+    if spec.get("check_draft_slots"):
+        result["draft_slots"] = llm.collective_rpc(read_draft_slot_check)[0]
     print("PROBE " + json.dumps(result))
 
 

@@ -35,7 +35,8 @@
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
 #            fixed 2 GiB KV cache, so concurrent starts cannot disturb vLLM's memory
 #            profiling; the freed-memory test poisons 16 GiB): test_pair_arms_gpu,
-#            test_prefix_cache_gpu, test_freed_memory_gpu, test_soak_gpu; one log
+#            test_prefix_cache_gpu, test_freed_memory_gpu, test_soak_gpu,
+#            test_draft_slots_gpu; one log
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -138,12 +139,12 @@ case "$stage" in
   hardening)
     vllm_env; use_recalibrated
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30)) DSPARK_PROBE_POISON_GIB=16
-    for test in pair_arms prefix_cache freed_memory soak; do
+    for test in pair_arms prefix_cache freed_memory soak draft_slots; do
       timeout 570 python3 -m pytest "tests/gpu/test_${test}_gpu.py" -q -p no:cacheprovider -rA \
         > "/tmp/hardening_$test.log" 2>&1 &
     done
     wait
-    for test in pair_arms prefix_cache freed_memory soak; do
+    for test in pair_arms prefix_cache freed_memory soak draft_slots; do
       echo "== $test"; tail -25 "/tmp/hardening_$test.log"
     done | tee "$OUT/hardening.log" | grep -v "^  \|^$" | grep "==\|passed\|failed\|Error\|assert" | head -40
     ;;
