@@ -140,8 +140,10 @@ case "$stage" in
     vllm_env; use_recalibrated
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30)) DSPARK_PROBE_POISON_GIB=16
     for test in pair_arms prefix_cache freed_memory soak draft_slots; do
-      timeout 570 python3 -m pytest "tests/gpu/test_${test}_gpu.py" -q -p no:cacheprovider -rA \
-        > "/tmp/hardening_$test.log" 2>&1 &
+      # Own compile caches: concurrent writers of one cache entry could read it half-written.
+      VLLM_CACHE_ROOT=/tmp/vcache_$test TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$test \
+        timeout 570 python3 -m pytest "tests/gpu/test_${test}_gpu.py" -q -p no:cacheprovider \
+        -rA > "/tmp/hardening_$test.log" 2>&1 &
     done
     wait
     for test in pair_arms prefix_cache freed_memory soak draft_slots; do
