@@ -22,8 +22,15 @@ def without_dspark_plugin() -> str:
     return ",".join(name for name in others if name != "vllm_dspark") or "none"
 
 
-def run_probe(script: Path, *args: str, plugins: str | None = None, timeout: int = 900):
-    """``script args...`` with no VLLM_DSPARK_* variables and the given VLLM_PLUGINS."""
+def run_probe(
+    script: Path,
+    *args: str,
+    stdin: str | None = None,
+    plugins: str | None = None,
+    timeout: int = 900,
+):
+    """``script args...`` (``stdin`` on its standard input: a spec too long for the command
+    line) with no VLLM_DSPARK_* variables and the given VLLM_PLUGINS."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DSPARK_")}
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
@@ -31,6 +38,7 @@ def run_probe(script: Path, *args: str, plugins: str | None = None, timeout: int
     done = subprocess.run(
         [sys.executable, str(script), *args],
         env=env,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,

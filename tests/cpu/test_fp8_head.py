@@ -464,3 +464,19 @@ def test_interpreted_non_finite_never_passes_as_a_token(kernels, act_fp8, tma):
     assert torch.isfinite(value[[0, 2, 5]]).all()
     logits = kernels.fp8_head_logits(x, head, config=config)
     assert torch.isnan(logits[1]).all() and torch.isfinite(logits[[0, 2, 3, 5]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_heads_refuse_a_model_that_is_not_bf16(dtype):
+    from types import SimpleNamespace
+
+    from vllm_dspark.config import DSparkOptionError, DSparkOptions
+    from vllm_dspark.head.draft_heads import DraftHeads
+
+    model = SimpleNamespace(
+        logits_processor=SimpleNamespace(org_vocab_size=64, scale=1.0, soft_cap=None),
+        lm_head=torch.nn.Linear(16, 64, bias=False).to(dtype),
+    )
+    with pytest.raises(DSparkOptionError, match="bfloat16"):
+        DraftHeads(model, DSparkOptions(fp8_draft_head=True), max_rows=8)
+    assert DraftHeads(model, DSparkOptions(), max_rows=8).lm_head is None

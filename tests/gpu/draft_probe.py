@@ -1,10 +1,9 @@
 """Run in a subprocess on a GPU: the drafts vLLM proposes right after a prompt.
 
-Takes one JSON argument {"target", "draft", "options", "prompts", "dtype"}. For each prompt it
-generates one token greedily, so the speculator's last proposal is for the context
-``prompt + [that token]``, and reads that proposal (and, with a confidence head, its
-confidence logits) out of the worker. Prints one JSON line.
-"""
+Reads one JSON object on standard input {"target", "draft", "options", "prompts", "dtype"}.
+For each prompt it generates one token greedily, so the speculator's last proposal is for
+the context ``prompt + [that token]``, and reads that proposal (and, with a confidence head,
+its confidence logits) out of the worker. Prints one JSON line."""
 
 import json
 import os
@@ -47,4 +46,4 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(json.load(sys.stdin))

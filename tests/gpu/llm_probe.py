@@ -1,18 +1,17 @@
 """Run in a subprocess on a GPU: greedy generation with vLLM's LLM().
 
-Takes one JSON argument: {"target", "draft" (or null for no speculation), "dummy"
-(dummy weights), "options" (extra speculative-config keys), "prompts" (token-id lists),
-"max_tokens" (one for all prompts, or a list with one per prompt), optional
+Reads one JSON object on standard input: {"target", "draft" (or null for no speculation),
+"dummy" (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id
+lists), "max_tokens" (one for all prompts, or a list with one per prompt), optional
 "gpu_memory_utilization", "dtype", "enable_prefix_caching", "switch" (a list of [name,
 capacity options] measured one after another in this engine,
-:mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the
-GPU memory the engine does not hold with NaN, then hand it back to the allocator),
+:mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the GPU
+memory the engine does not hold with NaN, then hand it back to the allocator),
 "check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
-:func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs"}.
-Prints one JSON line: the token ids per prompt, the spec-decode counts, the plugin's
-admission counts (compacted steps), the run's tokens per second, whether vllm-dspark's
-patches were applied, and with "check_draft_slots" the check's counts ("draft_slots").
-"""
+:func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs"}. Prints one JSON
+line: the token ids per prompt, the spec-decode counts, the plugin's admission counts
+(compacted steps), the run's tokens per second, whether vllm-dspark's patches were applied,
+and with "check_draft_slots" the check's counts ("draft_slots")."""
 
 import json
 import os
@@ -230,8 +229,13 @@ def main(spec: dict) -> None:
     def admission() -> AdmissionCounts:
         return admission_counts(llm) if speculative else AdmissionCounts()
 
+    def cache_hits() -> int:
+        """Prompt tokens served from the prefix cache so far."""
+        return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
     def measure() -> dict:
         before, admitted_before = SpecDecodeCounts.from_metrics(llm.get_metrics()), admission()
+        hits_before = cache_hits()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -243,6 +247,7 @@ def main(spec: dict) -> None:
             "spec_decode": asdict(counts),
             "admission": asdict(admitted),
             "acceptance_length": counts.acceptance_length if counts.drafts else None,
+            "prefix_cache_hit_tokens": cache_hits() - hits_before,
             "tok_s": sum(map(len, token_ids)) / seconds,
         }
 
@@ -270,4 +275,4 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(json.load(sys.stdin))

@@ -1,12 +1,11 @@
 """Run in a subprocess on a GPU: a soak of the embedded pair through LLMEngine.
 
-Takes one JSON argument: {"target", "draft" (or null), "options", "requests" (a list of
-{"id", "prompt", "max_tokens", "abort_after"} where abort_after is null or a number of
-output tokens after which the request is aborted), "num_gpu_blocks", "dtype"}. Runs the
-engine core in this process (so its KV-cache pool can be inspected) and prints one JSON
-line: the token ids of every request that finished, the ids aborted, the free KV blocks
-before and after, and the preemptions vLLM counted.
-"""
+Reads one JSON object on standard input: {"target", "draft" (or null), "options", "requests"
+(a list of {"id", "prompt", "max_tokens", "abort_after"} where abort_after is null or a
+number of output tokens after which the request is aborted), "num_gpu_blocks", "dtype"}.
+Runs the engine core in this process (so its KV-cache pool can be inspected) and prints one
+JSON line: the token ids of every request that finished, the ids aborted, the free KV blocks
+before and after, and the preemptions vLLM counted."""
 
 import json
 import os
@@ -77,4 +76,4 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(json.load(sys.stdin))

@@ -62,7 +62,7 @@ def run(options: dict, plugin: bool) -> dict:
         "check_draft_slots": True,
     }
     plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, json.dumps(spec), plugins=plugins)
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=plugins)
 
 
 def summary(arm: dict) -> dict:

@@ -24,8 +24,8 @@ def test_dspark_output_is_stock_with_plugin_loaded(model_dirs):
         "prompts": [[3 + (17 * i + 5 * j) % 4000 for j in range(32)] for i in range(NUM_PROMPTS)],
         "max_tokens": MAX_TOKENS,
     }
-    stock = run_probe(LLM_PROBE, json.dumps(spec), plugins=without_dspark_plugin())
-    with_plugin = run_probe(LLM_PROBE, json.dumps(spec))
+    stock = run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=without_dspark_plugin())
+    with_plugin = run_probe(LLM_PROBE, stdin=json.dumps(spec))
     identical = stock["token_ids"] == with_plugin["token_ids"]
     write_result(
         "foundation_gpu.json",

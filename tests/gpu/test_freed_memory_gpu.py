@@ -42,7 +42,7 @@ def run(draft: bool, options: dict, plugin: bool) -> dict:
         "poison_freed_memory": True,
     }
     plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, json.dumps(spec), plugins=plugins)
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=plugins)
 
 
 def test_poisoned_free_memory_changes_no_output():

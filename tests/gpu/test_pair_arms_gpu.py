@@ -3,11 +3,14 @@ no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
   curve and with the curve profiled at start-up; budget with dynamic depth), switched in
-  one engine, keeps greedy outputs identical to no speculation, and its compacted steps
-  replay FULL CUDA graphs (every batch of this test fits the largest captured size);
+  one engine, keeps greedy outputs identical to no speculation (float32, where bf16
+  batch-shape noise cannot flip near ties), and its compacted steps replay FULL CUDA
+  graphs (every batch of this test fits the largest captured size);
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
-  acceptance length within 1% of the bf16 head's.
+  acceptance length within 1% of the bf16 head's. Both run in bf16, the FP8 kernels'
+  only dtype, so their greedy outputs are compared with each other and recorded, not
+  asserted equal to no speculation (verification is the target's either way).
 
 Set DSPARK_RESULTS_DIR to also write ``fp8_pair.json`` there.
 """
@@ -31,17 +34,18 @@ pytestmark = [
     pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
 ]
 
+# name: (speculative options or None, dtype)
 ARMS = {
-    "nospec": None,
-    "dspark": {},
-    "fp8": {"dspark_fp8_draft_head": True},
+    "nospec": (None, "float32"),
+    "dspark": ({}, "float32"),
+    "dspark-bf16": ({}, "bfloat16"),
+    "fp8": ({"dspark_fp8_draft_head": True}, "bfloat16"),
     # One engine prepared for every capacity arm (compaction, per-depth draft graphs, the
     # SPS profile), switched between them (vllm_dspark.engine_control).
-    "capacity": {
-        "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-    },
+    "capacity": (
+        {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True},
+        "float32",
+    ),
 }
 CAPACITY_ARMS = {
     "budget": {"capacity": "budget", "budget_frac": 0.5},
@@ -66,7 +70,7 @@ def _record(name: str, value) -> None:
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_pair_arms_gpu.py",
         {
             "setup": f"embedded pair, {NUM_PROMPTS} held-out prompts, {MAX_TOKENS} tokens, "
-            "greedy, bf16, k=7",
+            "greedy, k=7; capacity arms float32, FP8 head arms bf16",
             **_results,
         },
     )
@@ -121,13 +125,14 @@ class Arms(dict):
     def __missing__(self, name: str) -> dict:
         if name in CAPACITY_ARMS:
             return self["capacity"]["arms"][name]
-        options = ARMS[name]
+        options, dtype = ARMS[name]
         spec = {
             "target": str(EMBEDDED_PAIR / "target"),
             "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
             "options": options or {},
             "prompts": load_prompts(num_prompts=NUM_PROMPTS),
             "max_tokens": MAX_TOKENS,
+            "dtype": dtype,
             "gpu_memory_utilization": 0.1,
         }
         if name == "capacity":
@@ -135,7 +140,7 @@ class Arms(dict):
                 [arm, {"varlen_verify": True, "dynamic_depth": False} | updates]
                 for arm, updates in CAPACITY_ARMS.items()
             ]
-        self[name] = run_probe(LLM_PROBE, json.dumps(spec))
+        self[name] = run_probe(LLM_PROBE, stdin=json.dumps(spec))
         return self[name]
 
 
@@ -165,18 +170,20 @@ def test_capacity_modes_are_lossless(arms, mode):
         assert capped["draft_tokens"] / capped["drafts"] < 0.75 * 7
 
 
-def test_fp8_draft_head_is_lossless_and_keeps_acceptance(arms):
-    bf16, fp8 = arms["dspark"], arms["fp8"]
+def test_fp8_draft_head_keeps_acceptance(arms):
+    bf16, fp8 = arms["dspark-bf16"], arms["fp8"]
     change = fp8["acceptance_length"] / bf16["acceptance_length"] - 1
     _record(
         "end_to_end",
         {
-            "greedy_identical_to_nospec": fp8["token_ids"] == arms["nospec"]["token_ids"],
+            "dtype": "bfloat16",
+            "greedy_identical_prompts_to_bf16_head": sum(
+                a == b for a, b in zip(fp8["token_ids"], bf16["token_ids"], strict=True)
+            ),
+            "prompts": NUM_PROMPTS,
             "acceptance_length_bf16_head": bf16["acceptance_length"],
             "acceptance_length_fp8_head": fp8["acceptance_length"],
             "relative_change": change,
-            "tok_s": {name: arms[name]["tok_s"] for name in ("nospec", "dspark", "fp8")},
         },
     )
-    assert fp8["token_ids"] == arms["nospec"]["token_ids"]
     assert abs(change) <= MAX_ACCEPTANCE_CHANGE

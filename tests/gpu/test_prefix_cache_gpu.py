@@ -50,7 +50,7 @@ def run(plugin: bool, caching: bool) -> dict:
         "gpu_memory_utilization": 0.1,
     }
     plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, json.dumps(spec), plugins=plugins)
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=plugins)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,10 @@ def test_prefix_caching_keeps_outputs_and_acceptance(arms):
             "acceptance_length_caching_on": on["acceptance_length"],
             "relative_change": gap,
             "greedy_identical": on["token_ids"] == off["token_ids"],
+            # The warm-up's requests share the prefix: with caching on it is served from
+            # the cache, which is the case under test.
+            "prefix_cache_hit_tokens_caching_on": on["prefix_cache_hit_tokens"],
+            "prefix_cache_hit_tokens_caching_off": off["prefix_cache_hit_tokens"],
             "patched": on["patched"],
         }
     write_result(
@@ -85,6 +89,10 @@ def test_prefix_caching_keeps_outputs_and_acceptance(arms):
         },
     )
     assert not record["stock"]["patched"] and record["plugin"]["patched"]
+    for name in ("stock", "plugin"):
+        # Every request found the shared prefix in the cache (whole 16-token blocks).
+        assert record[name]["prefix_cache_hit_tokens_caching_on"] >= NUM_REQUESTS * 176
+        assert record[name]["prefix_cache_hit_tokens_caching_off"] == 0
     for name in ("stock", "plugin"):
         assert record[name]["greedy_identical"], name
     assert abs(record["plugin"]["relative_change"]) <= MAX_ACCEPTANCE_GAP

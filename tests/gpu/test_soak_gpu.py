@@ -55,7 +55,7 @@ def run(requests, draft: bool) -> dict:
         "num_gpu_blocks": NUM_GPU_BLOCKS,
         "dtype": "float32",
     }
-    return run_probe(SOAK_PROBE, json.dumps(spec), timeout=1200)
+    return run_probe(SOAK_PROBE, stdin=json.dumps(spec), timeout=1200)
 
 
 def test_soak_with_every_option_is_lossless_and_leaks_nothing():

@@ -31,7 +31,7 @@ def vllm_proposals(prompts, options=None):
         "prompts": prompts,
         "dtype": "float32",
     }
-    return run_probe(PROBE, json.dumps(spec))
+    return run_probe(PROBE, stdin=json.dumps(spec))
 
 
 @pytest.fixture(scope="module")

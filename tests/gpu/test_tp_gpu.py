@@ -51,7 +51,7 @@ def run(tp: int, options: dict | None) -> dict:
         "tensor_parallel_size": tp,
         "max_num_seqs": CONCURRENCY,
     }
-    return run_probe(LLM_PROBE, json.dumps(spec), timeout=1200)
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec), timeout=1200)
 
 
 @pytest.fixture(scope="module")

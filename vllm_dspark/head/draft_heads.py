@@ -79,6 +79,14 @@ class DraftHeads:
                 f"vllm-dspark: {KEY_PREFIX}fp8_draft_head does not apply logit soft-capping, "
                 "which this draft model uses."
             )
+        dtype = model.lm_head.weight.dtype
+        if (options.fp8_draft_head or options.fp8_markov_head) and dtype != torch.bfloat16:
+            # The FP8 kernels read bf16 activations and rescore with the bf16 weights.
+            raise DSparkOptionError(
+                f"vllm-dspark: {KEY_PREFIX}fp8_draft_head and {KEY_PREFIX}fp8_markov_head "
+                f"need the model in bfloat16, not {dtype}. Valid here: dtype bfloat16, or "
+                "the options off."
+            )
         if getattr(model, "draft_id_to_target_id", None) is not None and options.fp8_draft_head:
             raise DSparkOptionError(
                 f"vllm-dspark: {KEY_PREFIX}fp8_draft_head needs a full-vocabulary draft; this "
