@@ -44,6 +44,6 @@ def run_probe(
         timeout=timeout,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-12000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith(MARKER))
     return json.loads(line.removeprefix(MARKER))
