@@ -31,12 +31,12 @@ K = 7
 
 def time_depth_graphs(worker, concurrencies: list[int], warmup: int, repeats: int) -> list:
     """Runs inside the vLLM worker: median replay ms of each depth's draft graphs."""
-    from vllm_dspark.capacity.sps_profile import time_graph_replays
+    from vllm_dspark.capacity.sps_profile import time_draft_graphs
 
     speculator = worker.model_runner.speculator
     rows = []
     for depth, manager in sorted(speculator._depth_graphs.items()):
-        timed = dict(time_graph_replays(manager, warmup, repeats))
+        timed = dict(time_draft_graphs(speculator, manager, warmup, repeats))
         rows += [
             {"concurrency": r, "depth": depth, "draft_ms": timed.get(r)} for r in concurrencies
         ]

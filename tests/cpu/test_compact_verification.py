@@ -286,6 +286,7 @@ def fake_graph_manager(mode, dp_size=1):
 
     decode = BatchExecutionDescriptor(CUDAGraphMode.FULL, 16, 2, uniform_token_count=1 + K)
     return SimpleNamespace(
+        vllm_config=None,
         cudagraph_mode=mode,
         dp_size=dp_size,
         decode_query_len=1 + K,
@@ -298,11 +299,14 @@ def fake_graph_manager(mode, dp_size=1):
     )
 
 
-def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compact_steps():
+def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compact_steps(
+    monkeypatch,
+):
     from vllm.config.compilation import CUDAGraphMode
 
     from vllm_dspark.patches import compact_verification as patch
 
+    monkeypatch.setattr(patch, "replays_varlen_graphs", lambda vllm_config: True)
     manager = fake_graph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     patch._make_candidates_wrapper(lambda m: None)(manager)
     full = manager._capture_descs[CUDAGraphMode.FULL]
@@ -334,12 +338,18 @@ def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compac
     assert calls == [(2, 16, 1 + K), (2, 7, None)]
 
 
-@pytest.mark.parametrize("mode,dp_size", [("PIECEWISE", 1), ("FULL_AND_PIECEWISE", 2)])
-def test_no_compact_graphs_without_full_decode_graphs_or_with_data_parallelism(mode, dp_size):
+@pytest.mark.parametrize(
+    "mode,dp_size,fa3",
+    [("PIECEWISE", 1, True), ("FULL_AND_PIECEWISE", 2, True), ("FULL_AND_PIECEWISE", 1, False)],
+)
+def test_no_compact_graphs_without_full_decode_graphs_fa3_or_with_data_parallelism(
+    monkeypatch, mode, dp_size, fa3
+):
     from vllm.config.compilation import CUDAGraphMode
 
     from vllm_dspark.patches import compact_verification as patch
 
+    monkeypatch.setattr(patch, "replays_varlen_graphs", lambda vllm_config: fa3)
     manager = fake_graph_manager(CUDAGraphMode[mode], dp_size)
     patch._make_candidates_wrapper(lambda m: None)(manager)
     assert len(manager._capture_descs[CUDAGraphMode.FULL]) == 1
@@ -368,7 +378,9 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     runner = SimpleNamespace(speculator=speculator, device="cpu")
     monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [(8, 4.0), (64, 8.0)])
     monkeypatch.setattr(
-        sps_autoprofile, "time_graph_replays", lambda m: [(1, 0.5), (8, 1.0)] if m else []
+        sps_autoprofile,
+        "time_draft_graphs",
+        lambda s: [(1, 0.5), (8, 1.0)] if s.query_cudagraph_manager else [],
     )
     monkeypatch.setattr(sps_autoprofile, "slowest_rank", lambda rows: rows)
     capture = sps_autoprofile._make_wrapper(lambda runner: 123)
@@ -463,3 +475,21 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(
     assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (3, 7, 4)
     assert spec.num_draft_tokens_per_pos == [2, 2, 1, 1, 1, 0, 0]
     assert spec.num_accepted_tokens_per_pos == [2, 1, 1, 0, 0, 0, 0]
+
+
+def test_compaction_takes_flash_or_triton_attention_for_the_target_alone():
+    from vllm_dspark.capacity.control import _check_compaction_backends
+    from vllm_dspark.config import DSparkOptionError
+
+    def group(name, layers):
+        backend = SimpleNamespace(get_name=lambda: name)
+        return SimpleNamespace(backend=backend, layer_names=layers)
+
+    draft = {"draft.0.attn"}
+    for target in ("FLASH_ATTN", "TRITON_ATTN"):
+        # The draft's own backend does not matter: it runs no compacted batch.
+        groups = [[group(target, ["model.0.attn"]), group("FLASHINFER", ["draft.0.attn"])]]
+        _check_compaction_backends(groups, draft)
+    groups = [[group("FLASHINFER", ["model.0.attn"]), group("FLASH_ATTN", ["draft.0.attn"])]]
+    with pytest.raises(DSparkOptionError, match="FLASHINFER.*FLASH_ATTN or TRITON_ATTN"):
+        _check_compaction_backends(groups, draft)

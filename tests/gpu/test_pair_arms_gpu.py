@@ -3,16 +3,21 @@ no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
   curve and with the curve profiled at start-up; budget with dynamic depth), switched in
-  one engine, keeps greedy outputs identical to no speculation (float32, where bf16
-  batch-shape noise cannot flip near ties), and its compacted steps replay FULL CUDA
-  graphs (every batch of this test fits the largest captured size);
+  one engine, keeps greedy outputs identical to no speculation. In float32, where bf16
+  batch-shape noise cannot flip near ties; there the target runs Triton attention, so the
+  compacted steps run as vLLM runs mixed batches (PIECEWISE graphs);
+- in bf16 the target runs FlashAttention 3, and every compacted step replays one of the
+  plugin's FULL variable-length CUDA graphs (every batch of this test fits the largest
+  captured size); its greedy outputs are compared with no speculation's in bf16, where
+  fixed-k DSpark itself differs on a few prompts: a garbled graph would derail nearly all;
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's. Both run in bf16, the FP8 kernels'
-  only dtype, so their greedy outputs are compared with each other and recorded, not
-  asserted equal to no speculation (verification is the target's either way).
+  only dtype.
 
-Set DSPARK_RESULTS_DIR to also write ``fp8_pair.json`` there.
+The float32 tests (``-k lossless``) and the bf16 ones (``-k "bf16 or fp8"``) start
+separate engines and can run as two processes. Set DSPARK_RESULTS_DIR to also write
+``pair_arms.json`` there.
 """
 
 import json
@@ -28,6 +33,7 @@ from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_PROMPTS, MAX_TOKENS = 64, 128
 MIN_AGREEMENT, MAX_ACCEPTANCE_CHANGE = 0.995, 0.01
+MIN_BF16_IDENTICAL = 0.9  # share of prompts whose bf16 outputs equal no speculation's
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,8 +44,13 @@ pytestmark = [
 ARMS = {
     "nospec": (None, "float32"),
     "dspark": ({}, "float32"),
+    "nospec-bf16": (None, "bfloat16"),
     "dspark-bf16": ({}, "bfloat16"),
     "fp8": ({"dspark_fp8_draft_head": True}, "bfloat16"),
+    "capacity-bf16": (
+        {"dspark_capacity": "budget", "dspark_budget_frac": 0.5, "dspark_varlen_verify": True},
+        "bfloat16",
+    ),
     # One engine prepared for every capacity arm (compaction, per-depth draft graphs, the
     # SPS profile), switched between them (vllm_dspark.engine_control).
     "capacity": (
@@ -63,10 +74,10 @@ _results: dict = {}
 
 
 def _record(name: str, value) -> None:
-    """Collect a result; written to DSPARK_RESULTS_DIR/fp8_pair.json as tests finish."""
+    """Collect a result; written to DSPARK_RESULTS_DIR/pair_arms.json as tests finish."""
     _results[name] = value
     write_result(
-        "fp8_pair.json",
+        "pair_arms.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_pair_arms_gpu.py",
         {
             "setup": f"embedded pair, {NUM_PROMPTS} held-out prompts, {MAX_TOKENS} tokens, "
@@ -162,12 +173,36 @@ def test_capacity_modes_are_lossless(arms, mode):
     assert 0 < capped_rate
     # This pair's own curve may make every draft worth verifying.
     assert capped_rate <= fixed_rate if mode == "sps-auto" else capped_rate < fixed_rate
-    admission = arms[mode]["admission"]
-    assert admission["steps"] > 0 and admission["graph_steps"] == admission["steps"]
+    assert arms[mode]["admission"]["steps"] > 0
     if mode.startswith("budget"):
         # vLLM's draft-token counter counts verified drafts (patches/admission_metrics.py):
         # about half of K per request at budget_frac 0.5 (uncompacted steps verify all K).
         assert capped["draft_tokens"] / capped["drafts"] < 0.75 * 7
+
+
+def test_bf16_compacted_steps_replay_full_graphs(arms):
+    nospec, fixed, capped = arms["nospec-bf16"], arms["dspark-bf16"], arms["capacity-bf16"]
+
+    def identical(arm: dict) -> int:
+        return sum(a == b for a, b in zip(arm["token_ids"], nospec["token_ids"], strict=True))
+
+    admission = capped["admission"]
+    _record(
+        "bf16_compact_graphs",
+        {
+            "options": ARMS["capacity-bf16"][0],
+            "admission": admission,
+            "greedy_identical_prompts": {"fixed_k7": identical(fixed), "budget": identical(capped)},
+            "prompts": NUM_PROMPTS,
+            "acceptance_length": {
+                "fixed_k7": fixed["acceptance_length"],
+                "budget": capped["acceptance_length"],
+            },
+        },
+    )
+    assert admission["steps"] > 0 and admission["graph_steps"] == admission["steps"]
+    assert identical(capped) >= MIN_BF16_IDENTICAL * NUM_PROMPTS
+    assert capped["spec_decode"]["accepted_tokens"] > 0
 
 
 def test_fp8_draft_head_keeps_acceptance(arms):

@@ -34,9 +34,9 @@
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
 #            fixed 2 GiB KV cache, so concurrent starts cannot disturb vLLM's memory
-#            profiling; the freed-memory test poisons 16 GiB): test_pair_arms_gpu,
-#            test_prefix_cache_gpu, test_freed_memory_gpu, test_soak_gpu,
-#            test_draft_slots_gpu; one log
+#            profiling; the freed-memory test poisons 16 GiB): test_pair_arms_gpu (its
+#            float32 and bf16 halves), test_prefix_cache_gpu, test_freed_memory_gpu,
+#            test_soak_gpu, test_draft_slots_gpu; one log, each JSON in its own folder
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -139,16 +139,22 @@ case "$stage" in
   hardening)
     vllm_env; use_recalibrated
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30)) DSPARK_PROBE_POISON_GIB=16
-    for test in pair_arms prefix_cache freed_memory soak draft_slots; do
+    # name:test file:-k expression; each writes its JSON under $OUT/name.
+    runs="arms32:pair_arms:lossless arms16:pair_arms:bf16_or_fp8 prefix:prefix_cache:
+      freed:freed_memory: soak:soak: slots:draft_slots:"
+    for run in $runs; do
+      IFS=: read -r name test expr <<< "$run"; mkdir -p "$OUT/$name"
       # Own compile caches: concurrent writers of one cache entry could read it half-written.
-      VLLM_CACHE_ROOT=/tmp/vcache_$test TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$test \
-        timeout 570 python3 -m pytest "tests/gpu/test_${test}_gpu.py" -q -p no:cacheprovider \
-        -rA > "/tmp/hardening_$test.log" 2>&1 &
+      DSPARK_RESULTS_DIR=$OUT/$name VLLM_CACHE_ROOT=/tmp/vcache_$name \
+        TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$name timeout 570 python3 -m pytest \
+        "tests/gpu/test_${test}_gpu.py" ${expr:+-k "${expr//_/ }"} -q -p no:cacheprovider -rA \
+        > "/tmp/hardening_$name.log" 2>&1 &
     done
     wait
-    for test in pair_arms prefix_cache freed_memory soak draft_slots; do
+    for run in $runs; do
       # The probes' own error output (vLLM's root cause) is in the assertion text.
-      echo "== $test"; grep -v "^INFO\|^WARNING\|^DEBUG\|it/s\]" "/tmp/hardening_$test.log" | tail -150
+      name=${run%%:*}; echo "== $name"
+      grep -v "^INFO\|^WARNING\|^DEBUG\|it/s\]" "/tmp/hardening_$name.log" | tail -150
     done > "$OUT/hardening.log"
     grep "^==\|passed\|failed\|Error" "$OUT/hardening.log" | head -60
     ;;

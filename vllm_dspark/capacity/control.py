@@ -267,7 +267,13 @@ class CapacityControl:
             model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
         )
         if self.controls_capacity:
-            _check_compaction_backends(target_attn_groups)
+            _check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
+
+
+# Attention backends that build a compacted batch's metadata from device-side query
+# offsets, taking the host's per-request lengths as upper bounds (FlashInfer plans on the
+# host's layout, so it is not among them).
+COMPACTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
 
 
 def _check_sps_profiling_possible(vllm_config: VllmConfig) -> None:
@@ -302,13 +308,22 @@ def _check_compaction_supported(vllm_config: VllmConfig) -> None:
         )
 
 
-def _check_compaction_backends(target_attn_groups) -> None:
-    """The target's attention must take device-chosen query lengths: FlashAttention 3."""
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-
-    names = {group.backend.get_name() for groups in target_attn_groups for group in groups}
-    if names != {"FLASH_ATTN"} or get_flash_attn_version() != 3:
+def _check_compaction_backends(attn_groups, draft_layer_names) -> None:
+    """The target's attention must take a batch whose per-request query lengths were
+    chosen on the GPU, from device-side query offsets and upper bounds on the host:
+    FlashAttention (2 or 3) and Triton attention do. (FULL graphs of such batches are
+    captured for FlashAttention 3 alone: :mod:`vllm_dspark.verify.compact_graphs`.)"""
+    names = {
+        group.backend.get_name()
+        for groups in attn_groups
+        for group in groups
+        if not set(group.layer_names) <= draft_layer_names
+    }
+    unsupported = names - set(COMPACTION_BACKENDS)
+    if unsupported:
         raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}varlen_verify needs the target to run FlashAttention 3 "
-            f"(found {', '.join(sorted(names))}); on Hopper pass --attention-backend FLASH_ATTN."
+            f"vllm-dspark: {KEY_PREFIX}varlen_verify cannot run the target's attention "
+            f"backend {', '.join(sorted(unsupported))}. Valid here: "
+            f"--attention-backend {' or '.join(COMPACTION_BACKENDS)}, or "
+            f"{KEY_PREFIX}capacity=off."
         )

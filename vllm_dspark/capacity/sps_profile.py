@@ -10,8 +10,8 @@ host's preparation overlaps the GPU as in serving); the median of ``rounds`` suc
 is kept. Dummy requests attend only their own query tokens, so the curve measures the
 weight-bound cost that dominates decode; long contexts lower SPS at large T further.
 
-:func:`time_graph_replays` times a speculator's captured draft graphs the same way, per
-batch size: what a proposal costs, for deciding whether drafting pays at all.
+:func:`time_draft_graphs` times a speculator's captured draft graphs, per batch size:
+what a proposal costs, for deciding whether drafting pays at all.
 """
 
 from __future__ import annotations
@@ -82,16 +82,36 @@ def time_target_steps(
 
 
 @torch.inference_mode()
-def time_graph_replays(manager, warmup: int = 3, repeats: int = 10) -> list[tuple[int, float]]:
-    """[(requests, median ms)] of every FULL graph a (draft) graph manager captured,
-    replayed as captured: the buffers hold whatever they hold, so this times the work and
-    produces nothing."""
+def time_draft_graphs(
+    speculator, manager=None, warmup: int = 3, repeats: int = 10
+) -> list[tuple[int, float]]:
+    """[(requests, median ms)] of every FULL graph a draft graph manager (by default the
+    speculator's own) captured. Before a graph's replays, the dummy batch it was captured
+    for is prepared again as vLLM's capture prepares it (inputs, slot mappings that write
+    nowhere, attention metadata): FlashAttention keeps its tile schedule in a persistent
+    buffer that the last capture left laid out for the smallest batch, so replaying the
+    other graphs without this would time less work than they do."""
     from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import (
+        _prepare_dflash_inputs_to_capture,
+    )
 
+    manager = manager or speculator.query_cudagraph_manager
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     descs = [desc for desc in manager.graphs if desc.cg_mode == CUDAGraphMode.FULL]
     for desc in sorted(descs, key=lambda desc: desc.num_reqs):
+        _prepare_dflash_inputs_to_capture(
+            desc.num_reqs,
+            desc.num_tokens,
+            speculator.input_buffers,
+            speculator.block_tables,
+            speculator.attn_groups,
+            speculator.kv_cache_config,
+            speculator.max_model_len,
+            skip_attn=False,
+            causal=speculator._group_causal,
+        )
         graph = manager.graphs[desc]
         for _ in range(warmup):
             graph.replay()

@@ -2,22 +2,23 @@
 
 What: wraps three names of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``):
 ``GPUModelRunner.execute_model``, where the step's admission budget B is decided on the
-host; ``dispatch_cg_and_sync_dp``, which picks the CUDA graph from the step's token
-count; and ``GPUModelRunner.prepare_inputs``; and one of ``vllm.v1.worker.gpu.
-cudagraph_utils``: ``ModelCudaGraphManager._init_candidates``, which lists the target's
-graphs to capture. In a decode-only step (every request with its K drafts) of a runner
-whose speculator controls capacity, the dispatch is asked for the compact R + B tokens
-instead of R * (1 + K) and replays the smallest FULL variable-length graph that holds
-them (:mod:`vllm_dspark.verify.compact_graphs`; captured beside vLLM's own when its
-cudagraph mode has FULL decode graphs and data parallelism is off, else vLLM's
-mixed-batch dispatch applies); after the stock input preparation the batch is rewritten
-on the GPU to the compact
-layout of :mod:`vllm_dspark.verify.compaction` (input ids, positions, query offsets,
-sequence lengths, logits indices and the rejection sampler's per-request draft
-counts). The slot mappings and attention metadata are then derived by vLLM from the
-compact batch as usual. Steps with prefills, structured output or logprobs run
-unchanged (all K drafts), which is always lossless. Runners whose speculator has no
-capacity control are untouched: the wrappers find no budget and call vLLM's code.
+host; ``dispatch_cg_and_sync_dp``, which picks the CUDA graph from the step's token count;
+and ``GPUModelRunner.prepare_inputs``; and one of ``vllm.v1.worker.gpu.cudagraph_utils``:
+``ModelCudaGraphManager._init_candidates``, which lists the target's graphs to capture. In a
+decode-only step (every request with its K drafts) of a runner whose speculator controls
+capacity, the dispatch is asked for the compact R + B tokens instead of R * (1 + K) and
+replays the smallest FULL variable-length graph that holds them
+(:mod:`vllm_dspark.verify.compact_graphs`; captured beside vLLM's own when its cudagraph
+mode has FULL decode graphs, data parallelism is off and every attention layer runs
+FlashAttention 3, else vLLM's mixed-batch dispatch applies); after the stock input
+preparation the batch is rewritten on the GPU to the compact layout of
+:mod:`vllm_dspark.verify.compaction` (input ids, positions, query offsets, sequence lengths,
+logits indices and the rejection sampler's per-request draft counts). The target's attention
+must build its metadata from device-side query offsets (FlashAttention or Triton attention;
+start-up refuses others). The slot mappings and attention metadata are then derived by vLLM
+from the compact batch as usual. Steps with prefills, structured output or logprobs run
+unchanged (all K drafts), which is always lossless. Runners whose speculator has no capacity
+control are untouched: the wrappers find no budget and call vLLM's code.
 Why: vLLM 0.26.0 verifies every scheduled draft; under load the verification of
 drafts that will be rejected costs more than speculation gains.
 Upstream: vllm-project/vllm#47808 (adaptive verification) does this in-tree, in vLLM
@@ -38,7 +39,11 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 
 from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
-from vllm_dspark.verify.compact_graphs import compact_graph_descriptors, pick_compact_graph
+from vllm_dspark.verify.compact_graphs import (
+    compact_graph_descriptors,
+    pick_compact_graph,
+    replays_varlen_graphs,
+)
 from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -112,6 +117,7 @@ def _make_candidates_wrapper(init_candidates):
             or manager.dp_size > 1
             or manager.decode_query_len < 2
             or not sizes
+            or not replays_varlen_graphs(manager.vllm_config)
         ):
             return
         compact = compact_graph_descriptors(

@@ -24,7 +24,7 @@ from vllm.logger import init_logger
 
 from vllm_dspark.capacity.sps_profile import (
     curve_from_times,
-    time_graph_replays,
+    time_draft_graphs,
     time_target_steps,
 )
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError
@@ -61,8 +61,8 @@ def _make_wrapper(capture_model):
             speculator.set_sps_curve(curve, self.device, profiled=True)
             speculator.needs_sps_profile = False
             logger.info("vllm-dspark: SPS curve profiled at start-up [T, steps/s]: %s", curve)
-            manager = speculator.query_cudagraph_manager
-            draft_ms = slowest_rank(time_graph_replays(manager)) if manager else []
+            graphs = speculator.query_cudagraph_manager
+            draft_ms = slowest_rank(time_draft_graphs(speculator)) if graphs else []
             speculator.set_draft_cost(draft_ms)
             logger.info("vllm-dspark: draft ms per proposal [R, ms]: %s", draft_ms)
         return result

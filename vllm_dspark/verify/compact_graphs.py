@@ -9,12 +9,28 @@ runner writes before a replay, so one FULL graph captured for T tokens and up to
 min(T, max_num_seqs) requests serves any compacted batch with R <= that many requests
 and R + B <= T tokens (padded requests get empty queries, padded tokens write nowhere).
 One graph per captured size T; a step takes the smallest that fits.
+
+Other backends bake more of the batch into a graph (Triton attention picks its kernel
+split from the query lengths seen at capture), so with them compacted steps run as vLLM
+runs any mixed batch: PIECEWISE graphs with attention between the pieces.
 """
 
 from __future__ import annotations
 
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+
+def replays_varlen_graphs(vllm_config) -> bool:
+    """Whether every attention layer (the draft's too: its layers are in the same forward
+    context) runs FlashAttention 3, which reads a compacted batch's layout at replay."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
+    names = {layer.get_attn_backend().get_name() for layer in layers}
+    return names == {"FLASH_ATTN"} and get_flash_attn_version() == 3
 
 
 def compact_graph_descriptors(
