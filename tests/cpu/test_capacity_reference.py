@@ -140,11 +140,24 @@ def test_stale_modes_take_their_budget_from_the_previous_step():
     assert threshold.capacity(lower).sum().item() == 1
 
 
-def test_sps_table_interpolates_and_holds_its_ends():
-    table = sps_table_from_curve([(2, 100.0), (4, 50.0)], 6)
-    assert table.tolist() == [100.0, 100.0, 100.0, 75.0, 50.0, 50.0, 50.0]
-    # sps_curve=auto with a single captured decode graph profiles one point: flat, no NaN.
-    assert sps_table_from_curve([[8, 100.0]], 16).tolist() == [100.0] * 17
+def test_sps_table_interpolates_and_keeps_tokens_per_second_past_its_end():
+    table = sps_table_from_curve([(2, 100.0), (4, 50.0)], 8)
+    assert table.tolist() == pytest.approx(
+        [100.0, 100.0, 100.0, 75.0, 50.0, 40.0, 200 / 6, 200 / 7, 25.0]
+    )
+    # sps_curve=auto with a single captured decode graph profiles one point: no NaN.
+    one_point = sps_table_from_curve([[8, 100.0]], 16).tolist()
+    assert one_point[:9] == [100.0] * 9 and one_point[16] == pytest.approx(50.0)
+
+
+def test_sps_admits_nothing_past_the_profiled_end_for_free():
+    # 64 requests, K = 7, every draft 90% likely to survive; the curve ends at 128 tokens
+    # per step (the largest captured graph) and is flat up to there.
+    survival = torch.full((64, 7), 0.9)
+    table = sps_table_from_curve([(1, 100.0), (128, 100.0)], 64 * 8)
+    # Past 128 tokens each draft costs its share of a compute-bound step and returns 0.9:
+    # admitting up to the curve's end is best.
+    assert sps_best_count(survival, table).item() == 128 - 64
 
 
 @pytest.mark.parametrize("mode", ["threshold", "budget", "sps"])

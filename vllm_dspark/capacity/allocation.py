@@ -133,8 +133,11 @@ def sps_best_count(survival: torch.Tensor, sps_table: torch.Tensor) -> torch.Ten
 
 
 def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> torch.Tensor:
-    """Steps per second for T = 0..max_tokens, linear between the curve's points and
-    held at its ends."""
+    """Steps per second for T = 0..max_tokens: linear between the curve's points, held
+    below the first, and beyond the last at the last point's tokens per second (SPS
+    falling as 1/T). A profiled curve ends at the largest captured graph, and steps beyond
+    it are compute-bound (and run without graphs): holding SPS there would make every
+    draft past the end look free, so ``sps`` would verify all of them under load."""
     points = torch.tensor(curve, dtype=torch.float64)
     tokens = torch.arange(max_tokens + 1, dtype=torch.float64)
     index = torch.searchsorted(points[:, 0].contiguous(), tokens).clamp(1, len(curve) - 1)
@@ -142,4 +145,8 @@ def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> tor
     v0, v1 = points[index - 1, 1], points[index, 1]
     # A one-point curve (e.g. profiled with a single decode graph) has t1 == t0.
     weight = ((tokens - t0) / (t1 - t0).clamp(min=1.0)).clamp(0.0, 1.0)
-    return (v0 + weight * (v1 - v0)).float()
+    table = v0 + weight * (v1 - v0)
+    last_tokens, last_sps = points[-1, 0], points[-1, 1]
+    beyond = tokens > last_tokens
+    table[beyond] = last_sps * last_tokens / tokens[beyond]
+    return table.float()
