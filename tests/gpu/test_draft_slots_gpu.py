@@ -92,6 +92,7 @@ def test_padded_draft_rows_write_no_request_slot():
             "batch's rows against the proposal",
             "options": EVERY_CAPACITY_OPTION,
             "stock_fails": record["stock"]["fails"],
+            "plugin_passes": not record["plugin"]["fails"],
             **record,
         },
     )

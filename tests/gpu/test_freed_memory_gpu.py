@@ -66,6 +66,7 @@ def test_poisoned_free_memory_changes_no_output():
             "free GPU memory filled with NaN after capture and warm-up",
             "options": EVERY_CAPACITY_OPTION,
             "stock_fails": record["stock"]["greedy_identical_prompts"] < NUM_PROMPTS,
+            "plugin_passes": record["plugin"]["greedy_identical_prompts"] == NUM_PROMPTS,
             **record,
         },
     )

@@ -85,6 +85,8 @@ def test_prefix_caching_keeps_outputs_and_acceptance(arms):
             "setup": f"embedded pair, {NUM_REQUESTS} requests sharing a 192-token prefix, "
             f"{MAX_TOKENS} tokens, greedy, float32, k=7",
             "stock_fails": abs(record["stock"]["relative_change"]) > MAX_ACCEPTANCE_GAP,
+            "plugin_passes": abs(record["plugin"]["relative_change"]) <= MAX_ACCEPTANCE_GAP
+            and record["plugin"]["greedy_identical"],
             **record,
         },
     )

@@ -94,6 +94,7 @@ def test_soak_with_every_option_is_lossless_and_leaks_nothing():
             "prefix caching on, one in twenty aborted, float32, k=7",
             "options": EVERY_CAPACITY_OPTION,
             "stock_fails": not record["stock"]["passes"],
+            "plugin_passes": record["plugin"]["passes"],
             **record,
         },
     )

@@ -157,6 +157,7 @@ case "$stage" in
       grep -v "^INFO\|^WARNING\|^DEBUG\|it/s\]" "/tmp/hardening_$name.log" | tail -150
     done > "$OUT/hardening.log"
     grep "^==\|passed\|failed\|Error" "$OUT/hardening.log" | head -60
+    python3 tools/hardening_summary.py "$OUT" --out "$OUT/hardening.json"
     ;;
   capacity-embedded)
     vllm_env
