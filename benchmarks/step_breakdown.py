@@ -8,9 +8,14 @@
 The Qwen3-8B shape with dummy weights (``benchmarks/shapes.py``), one engine per arm in
 its own process (as ``offline_sweep.py``: the same engine arguments, greedy, EOS ignored).
 DSpark arms use vLLM's synthetic acceptance (``rejection_sample_method: "synthetic"``,
-``synthetic_acceptance_rates`` = ``offline_sweep.DEFAULT_RATES`` truncated to k). For
-each concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
-tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
+``synthetic_acceptance_rates`` = ``offline_sweep.DEFAULT_RATES`` truncated to k). The
+``sps-k3`` / ``sps-k7`` arms run the plugin's answer to the fixed cost, capacity control
+(``dspark_capacity: sps``, curve profiled at start-up, compact verification), on drafts
+accepted with their own synthetic confidence around the same profile; their steps verify
+any number of drafts (``verified_tokens_median``), and a proposal the draft gate skips
+counts with its context-KV work only. For each concurrency c (default 1, 64, 256) the
+arm runs c prompts of 128 tokens, 128 output tokens each, all submitted at once, once
+unrecorded (warm-up) and once recorded.
 
 Block size. vLLM 0.26.0 refuses ``num_speculative_tokens`` below the block only when
 the draft config has ``dspark_block_size`` (DeepSeek-V4 DSpark); Qwen3 DSpark configs
@@ -117,12 +122,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 
-from offline_sweep import DEFAULT_RATES, engine_kwargs, sweep_prompts  # noqa: E402
+from offline_sweep import (  # noqa: E402
+    DEFAULT_RATES,
+    conditional_rates,
+    engine_kwargs,
+    sweep_prompts,
+)
 from shapes import write_shape  # noqa: E402
 
 SHAPE = "qwen3-8b"
-# Arm name -> number of speculative tokens (0: no speculation).
-ARMS = {"nospec": 0, "dspark-k1": 1, "dspark-k3": 3, "dspark-k7": 7}
+# Arm name -> (number of speculative tokens (0: no speculation), capacity control). The
+# capacity arms run the plugin's sps mode (curve profiled at start-up) with compact
+# verification, each draft accepted with its own synthetic confidence drawn around the
+# same acceptance profile (offline_sweep's --acceptance confidence).
+ARMS = {
+    "nospec": (0, False),
+    "dspark-k1": (1, False),
+    "dspark-k3": (3, False),
+    "dspark-k7": (7, False),
+    "sps-k3": (3, True),
+    "sps-k7": (7, True),
+}
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).
 PHASES = {
@@ -545,7 +565,19 @@ def segment_values(rec: dict) -> dict[str, float] | None:
     if "propose_start" not in g:
         seg["step_tail"] = g["next_start"] - g["sample_end"]
         return seg
-    if any(n not in g for n in ("ctx_start", "ctx_end", "draft_start", "draft_end", "propose_end")):
+    if any(n not in g for n in ("ctx_start", "ctx_end", "propose_end")):
+        return None
+    if "draft_start" not in g and "draft_end" not in g:
+        # A proposal the plugin's draft gate skipped: context K/V stored, nothing drafted.
+        return seg | {
+            "output_handoff": g["propose_start"] - g["sample_end"],
+            "draft_prologue": g["ctx_start"] - g["propose_start"],
+            "context_kv": g["ctx_end"] - g["ctx_start"],
+            "draft_attn_metadata": g["propose_end"] - g["ctx_end"],
+            "draft_tail": 0.0,
+            "step_tail": g["next_start"] - g["propose_end"],
+        }
+    if "draft_start" not in g or "draft_end" not in g:
         return None
     seg |= {
         "output_handoff": g["propose_start"] - g["sample_end"],
@@ -588,15 +620,23 @@ def phase_values(rec: dict) -> dict[str, float] | None:
     return phases
 
 
-def step_exclusion(rec: dict, concurrency: int, k: int, shadowed: set[int]) -> str | None:
-    """Why a step is left out of the statistics (None: a pure decode step at c)."""
+def step_exclusion(
+    rec: dict, concurrency: int, k: int, shadowed: set[int], compacted: bool = False
+) -> str | None:
+    """Why a step is left out of the statistics (None: a pure decode step at c; with
+    ``compacted``, one that verified any number of the k drafts per request)."""
     if rec.get("num_reqs") is None:
         return "no_batch"  # execute_model returned before preparing inputs
     if rec["num_prefill"] > 0:
         return "prefill"
     if rec["num_reqs"] != concurrency:
         return "partial_batch"
-    if rec["num_tokens"] != rec["num_reqs"] * (1 + k):
+    uniform = rec["num_reqs"] * (1 + k)
+    if not (
+        rec["num_reqs"] <= rec["num_tokens"] <= uniform
+        if compacted
+        else rec["num_tokens"] == uniform
+    ):
         return "non_uniform"
     if rec["id"] in shadowed:
         return "shadow_window"
@@ -606,13 +646,18 @@ def step_exclusion(rec: dict, concurrency: int, k: int, shadowed: set[int]) -> s
 
 
 def decode_steps(
-    records: list[dict], concurrency: int, k: int, window: int = SHADOW_WINDOW
+    records: list[dict],
+    concurrency: int,
+    k: int,
+    window: int = SHADOW_WINDOW,
+    compacted: bool = False,
 ) -> tuple[list[dict], dict[str, int]]:
-    """Pure decode steps with c requests of 1 + k tokens each, and the excluded counts."""
+    """Pure decode steps with c requests of 1 + k tokens each (with ``compacted``, of
+    1 to 1 + k), and the excluded counts."""
     shadowed = {r["id"] + j for r in records if r.get("shadow") for j in range(window)}
     kept, excluded = [], {}
     for rec in records:
-        reason = step_exclusion(rec, concurrency, k, shadowed)
+        reason = step_exclusion(rec, concurrency, k, shadowed, compacted)
         if reason is None:
             kept.append(rec)
         else:
@@ -676,10 +721,10 @@ def _rounded(values: dict) -> dict:
     return {key: None if v is None else round(v, 4) for key, v in values.items()}
 
 
-def summarize(data: dict, concurrency: int, k: int) -> dict:
+def summarize(data: dict, concurrency: int, k: int, compacted: bool = False) -> dict:
     """One row: medians over the pure decode steps at this concurrency."""
     records = data["records"]
-    steps, excluded = decode_steps(records, concurrency, k)
+    steps, excluded = decode_steps(records, concurrency, k, compacted=compacted)
     row = {
         "concurrency": concurrency,
         "k": k,
@@ -700,6 +745,7 @@ def summarize(data: dict, concurrency: int, k: int) -> dict:
     ratio = phases_sum / step_median
     return row | {
         "step_ms_median": round(step_median, 4),
+        "verified_tokens_median": statistics.median(r["num_tokens"] for r in steps),
         "gpu_step_ms_median": round(statistics.median(r["gpu"]["next_start"] for r in steps), 4),
         "phases_ms": _rounded(phases),
         "phases_sum_ms": round(phases_sum, 4),
@@ -788,17 +834,22 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 # Arms and engines.
 
 
-def speculative_config(k: int, draft: str, rates: str) -> dict | None:
-    """DSpark with k drafts and vLLM's synthetic acceptance (the first k rates)."""
+def speculative_config(k: int, draft: str, rates: str, capacity: bool = False) -> dict | None:
+    """DSpark with k drafts and vLLM's synthetic acceptance (the first k rates); with
+    ``capacity``, the plugin's sps mode on drafts accepted with their own confidence."""
     if k == 0:
         return None
     values = [float(r) for r in rates.split(",")]
     if len(values) < k:
         raise ValueError(f"--rates has {len(values)} values; k={k} needs {k}")
-    return {
-        "method": "dspark",
-        "model": draft,
-        "num_speculative_tokens": k,
+    config = {"method": "dspark", "model": draft, "num_speculative_tokens": k}
+    if capacity:
+        return config | {
+            "dspark_capacity": "sps",
+            "dspark_varlen_verify": True,
+            "dspark_synthetic_confidence": conditional_rates(values[:k]),
+        }
+    return config | {
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_rates": values[:k],
     }
@@ -816,7 +867,9 @@ def run_arm_here(spec: dict) -> None:
     started = time.perf_counter()
     llm = LLM(
         **engine_kwargs(spec["target"]),
-        speculative_config=speculative_config(k, spec["draft"], spec["rates"]),
+        speculative_config=speculative_config(
+            k, spec["draft"], spec["rates"], spec.get("capacity", False)
+        ),
     )
     engine_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
@@ -837,7 +890,7 @@ def run_arm_here(spec: dict) -> None:
         data = llm.collective_rpc(fetch_records)[0]
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
         tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-        row = summarize(data, concurrency, k) | {
+        row = summarize(data, concurrency, k, spec.get("capacity", False)) | {
             "tok_s_recorded_run": round(tokens / seconds, 1),
             "acceptance_length": round(counts.acceptance_length, 4) if counts.drafts else None,
             "engine_start_s": round(engine_s, 1),
@@ -909,13 +962,14 @@ def main() -> int:
         "shadow": {"steps": args.shadow_steps, "repeats": args.shadow_repeats},
     }
     for arm in arms:
-        k = ARMS[arm]
+        k, capacity = ARMS[arm]
         # Each DSpark arm's draft is written with block_size = k (module docstring).
         draft = write_shape(SHAPE, root / f"block{k}", block=k)["draft"] if k else None
         spec = {
             "target": target,
             "draft": draft,
             "k": k,
+            "capacity": capacity,
             "rates": args.rates,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,

@@ -312,6 +312,27 @@ def test_decode_filter_keeps_full_uniform_decode_steps_only():
     }
 
 
+def test_compacted_steps_count_with_any_admission_and_skipped_proposals_add_up():
+    records = [record(0, tokens=4), record(1, tokens=9), record(2, tokens=17), record(3)]
+    kept, excluded = sb.decode_steps(records, concurrency=4, k=3, window=0, compacted=True)
+    assert [r["id"] for r in kept] == [0, 1, 3] and excluded == {"non_uniform": 1}
+    # The draft gate skipped this proposal: context K/V only, no draft events.
+    skipped = record(0, tokens=4)
+    del skipped["gpu"]["draft_start"], skipped["gpu"]["draft_end"]
+    phases = sb.phase_values(skipped)
+    assert "draft_graph" not in phases
+    assert sum(phases.values()) == pytest.approx(10.0)
+    row = sb.summarize({"records": [skipped], "outputs": [], "shadow": []}, 4, 3, True)
+    assert row["verified_tokens_median"] == 4
+
+
+def test_capacity_arms_run_sps_on_drafts_with_their_own_confidence():
+    spec = sb.speculative_config(3, "d", DEFAULT_RATES, capacity=True)
+    assert spec["dspark_capacity"] == "sps" and spec["dspark_varlen_verify"] is True
+    assert spec["dspark_synthetic_confidence"] == pytest.approx([0.8, 0.775, 0.774], abs=1e-3)
+    assert "rejection_sample_method" not in spec
+
+
 def test_a_step_missing_an_event_is_incomplete():
     rec = record(0)
     del rec["gpu"]["ctx_end"]
