@@ -73,9 +73,22 @@ ARMS = {
 }
 
 
-def engine_kwargs(target: str, dummy: bool = True) -> dict:
-    """The engine arguments of every sweep arm (and of step_breakdown.py)."""
-    return dict(
+# Capture sizes past vLLM's default 512 tokens (--graphs-to): a few, since each size is
+# captured for the target and the drafter alike.
+LARGE_CAPTURE_SIZES = (640, 768, 1024, 1280, 1536, 2048)
+
+
+def capture_sizes(graphs_to: int) -> list[int]:
+    """vLLM's default capture sizes up to 512 tokens, then LARGE_CAPTURE_SIZES up to
+    ``graphs_to``."""
+    default = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    return [size for size in (*default, *LARGE_CAPTURE_SIZES) if size <= graphs_to]
+
+
+def engine_kwargs(target: str, dummy: bool = True, graphs_to: int | None = None) -> dict:
+    """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
+    capture CUDA graphs up to that many tokens per step instead of vLLM's 512."""
+    kwargs = dict(
         model=target,
         load_format="dummy" if dummy else "auto",
         skip_tokenizer_init=dummy,
@@ -86,6 +99,9 @@ def engine_kwargs(target: str, dummy: bool = True) -> dict:
         seed=0,
         disable_log_stats=False,
     )
+    if graphs_to:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(graphs_to)}
+    return kwargs
 
 
 def sweep_prompts(count: int, offset: int, prompt_len: int) -> list[dict]:
@@ -126,7 +142,10 @@ def run_arm_here(spec: dict) -> None:
         speculative |= options
         # admission_counts() reads the speculator's counters in the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = LLM(**engine_kwargs(spec["target"], spec["dummy"]), speculative_config=speculative)
+    llm = LLM(
+        **engine_kwargs(spec["target"], spec["dummy"], spec.get("graphs_to")),
+        speculative_config=speculative,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
 
     def prompts(count: int, offset: int):
@@ -201,6 +220,9 @@ def main() -> int:
         action="store_true",
         help="run the DSpark capacity arms in one engine, switching options between them",
     )
+    parser.add_argument(
+        "--graphs-to", type=int, help="capture CUDA graphs up to this many tokens (every arm)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -237,6 +259,7 @@ def main() -> int:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "concurrency": [int(c) for c in args.concurrency.split(",")],
+            "graphs_to": args.graphs_to,
         }
         done = subprocess.run(
             [sys.executable, __file__, "--out", str(args.out), "--arm-spec", json.dumps(spec)],

@@ -866,7 +866,7 @@ def run_arm_here(spec: dict) -> None:
     k = spec["k"]
     started = time.perf_counter()
     llm = LLM(
-        **engine_kwargs(spec["target"]),
+        **engine_kwargs(spec["target"], graphs_to=spec.get("graphs_to")),
         speculative_config=speculative_config(
             k, spec["draft"], spec["rates"], spec.get("capacity", False)
         ),
@@ -936,6 +936,9 @@ def main() -> int:
     parser.add_argument("--shadow-steps", type=int, default=2, help="steps re-run for the split")
     parser.add_argument("--shadow-repeats", type=int, default=6)
     parser.add_argument("--merge", type=Path, help="earlier JSON whose other rows to keep")
+    parser.add_argument(
+        "--graphs-to", type=int, help="capture CUDA graphs up to this many tokens (every arm)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON (PNG beside it)")
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -955,7 +958,9 @@ def main() -> int:
         rows, earlier = merged["rows"], [*merged.get("earlier_commands", []), merged["command"]]
     setup = {
         "shape": f"{SHAPE}, dummy weights",
-        "engine": {k: v for k, v in engine_kwargs("").items() if k != "model"},
+        "engine": {
+            k: v for k, v in engine_kwargs("", graphs_to=args.graphs_to).items() if k != "model"
+        },
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "rates": args.rates,
@@ -970,6 +975,7 @@ def main() -> int:
             "draft": draft,
             "k": k,
             "capacity": capacity,
+            "graphs_to": args.graphs_to,
             "rates": args.rates,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,

@@ -85,3 +85,15 @@ def test_offline_sweep_arms_build_engine_configs(engine_config, model_dirs, tmp_
         config = engine_config({**base, "num_speculative_tokens": 7, **options})
         assert config.speculative_config.num_speculative_tokens == 7, arm
         assert config.speculative_config.method == base["method"], arm
+
+
+def test_graphs_to_extends_vllms_capture_sizes_past_512():
+    from offline_sweep import capture_sizes, engine_kwargs
+
+    sizes = capture_sizes(1024)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-4:] == [512, 640, 768, 1024]
+    assert sizes == sorted(set(sizes))
+    assert "compilation_config" not in engine_kwargs("m")
+    assert engine_kwargs("m", graphs_to=2048)["compilation_config"] == {
+        "cudagraph_capture_sizes": capture_sizes(2048)
+    }

@@ -20,9 +20,10 @@
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
 #            pair: embedded (2 servers of ~60 s) or qwen3-8b (2 servers of ~110-190 s)
-#   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two per call,
-#            e.g. "nospec,dspark-k1" then "dspark-k3,dspark-k7": the second call merges the
-#            first's rows, kept in /tmp on the warm machine)
+#   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two or three
+#            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
+#            call merges the earlier rows, kept in /tmp on the warm machine); an optional
+#            fourth, graphs up to that many tokens per step (--graphs-to)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
 #            speculation (vLLM; run on kind nvidia-h200-x2 or -x4)
 #   soak     2,000 requests, preemption, aborts, every capacity option, against no
@@ -111,7 +112,7 @@ case "$stage" in
   breakdown)
     vllm_env
     merge=(); [ -f /tmp/step_breakdown.json ] && merge=(--merge /tmp/step_breakdown.json)
-    timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
+    timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" ${4:+--graphs-to $4} \
       --out "$OUT/step_breakdown.json" 2>&1 | quiet | tail -20
     cp "$OUT/step_breakdown.json" /tmp/step_breakdown.json
     ;;
