@@ -29,8 +29,12 @@ def replays_varlen_graphs(vllm_config) -> bool:
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
-    names = {layer.get_attn_backend().get_name() for layer in layers}
-    return names == {"FLASH_ATTN"} and get_flash_attn_version() == 3
+    return bool(layers) and all(
+        layer.get_attn_backend().get_name() == "FLASH_ATTN"
+        # FlashAttention falls back to version 2 for head sizes version 3 lacks.
+        and get_flash_attn_version(head_size=getattr(layer, "head_size", None)) == 3
+        for layer in layers
+    )
 
 
 def compact_graph_descriptors(
