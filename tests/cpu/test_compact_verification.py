@@ -493,3 +493,30 @@ def test_compaction_takes_flash_or_triton_attention_for_the_target_alone():
     groups = [[group("FLASHINFER", ["model.0.attn"]), group("FLASH_ATTN", ["draft.0.attn"])]]
     with pytest.raises(DSparkOptionError, match="FLASHINFER.*FLASH_ATTN or TRITON_ATTN"):
         _check_compaction_backends(groups, draft)
+
+
+@pytest.mark.parametrize(
+    "backends,versions,expected",
+    [
+        (["FLASH_ATTN", "FLASH_ATTN"], {64: 3, 128: 3}, True),
+        (["FLASH_ATTN", "TRITON_ATTN"], {64: 3, 128: 3}, False),  # the draft's too
+        (["FLASH_ATTN", "FLASH_ATTN"], {64: 3, 128: 2}, False),  # FA2 for one head size
+        ([], {}, False),
+    ],
+)
+def test_varlen_graphs_need_flash_attention_3_on_every_layer(
+    monkeypatch, backends, versions, expected
+):
+    import vllm.config
+    from vllm.v1.attention.backends import fa_utils
+
+    from vllm_dspark.verify.compact_graphs import replays_varlen_graphs
+
+    def layer(name, head_size):
+        backend = SimpleNamespace(get_name=lambda: name)
+        return SimpleNamespace(get_attn_backend=lambda: backend, head_size=head_size)
+
+    layers = {f"l{i}": layer(name, (64, 128)[i]) for i, name in enumerate(backends)}
+    monkeypatch.setattr(vllm.config, "get_layers_from_vllm_config", lambda config, kind: layers)
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda head_size: versions[head_size])
+    assert replays_varlen_graphs(None) is expected
