@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run several gpu_stage.sh stages one after another in the background of a warm device
+# machine, so that the GPU never waits for the next call and no stage is cut at one call's
+# 10-minute limit. Device time counts while the machine is held, busy or not: queue the
+# session's work once, then keep calling `wait` back to back.
+#
+#   bash tools/device/queue.sh start COMMIT STAGE[:ARG[:ARG]] ...   # returns at once
+#   bash tools/device/queue.sh wait SECONDS   # until the queue ends or SECONDS pass, then
+#                                             # packs every result so far into $OUT
+#
+# `start` copies the tree to /tmp/queue/tree first: each device call brings a fresh copy of
+# the repository, which must not change under a running stage. Each stage writes into
+# /tmp/queue/results/STAGE-N/ (its $OUT) and logs to /tmp/queue/log. `wait` returns one
+# archive, results.tar.gz (the device returns at most 8 files), and prints the log's tail.
+set -u
+cmd=${1:?usage: queue.sh start COMMIT STAGE... | wait SECONDS}
+root=/tmp/queue
+case "$cmd" in
+  start)
+    commit=${2:?commit}; shift 2
+    [ -f "$root/running" ] && { echo "a queue is running: $(cat "$root/running")"; exit 1; }
+    mkdir -p "$root/results" "$root/tree"
+    cp -r . "$root/tree/" && echo "$*" > "$root/running"
+    # A new session (setsid): the device machine ends a call's other processes.
+    setsid bash "$root/tree/tools/device/queue.sh" run "$commit" "$@" \
+      < /dev/null > /dev/null 2>&1 &
+    echo "queued: $*"
+    ;;
+  run)  # what `start` runs in the background, from the copied tree
+    commit=${2:?commit}; shift 2
+    cd "$root/tree" || exit 1
+    n=$(ls "$root/results" | wc -l)  # a later queue adds to the earlier results
+    for item in "$@"; do
+      n=$((n + 1)); IFS=: read -r stage arg1 arg2 <<< "$item"
+      out="$root/results/$stage-$n"; mkdir -p "$out"
+      echo "== $(date +%T) $item" >> "$root/log"
+      OUT=$out bash tools/device/gpu_stage.sh "$stage" "$commit" ${arg1:+"$arg1"} \
+        ${arg2:+"$arg2"} >> "$root/log" 2>&1
+      rc=$?; echo "== $(date +%T) $item rc=$rc" >> "$root/log"
+    done
+    rm -f "$root/running"
+    ;;
+  wait)
+    seconds=${2:?seconds}; waited=0
+    while [ -f "$root/running" ] && [ "$waited" -lt "$seconds" ]; do
+      sleep 5; waited=$((waited + 5))
+    done
+    cp "$root/log" "$root/results/queue.log" 2>/dev/null
+    tar -C "$root" -czf "$OUT/results.tar.gz" results
+    [ -f "$root/running" ] && echo "still running: $(cat "$root/running")" || echo "queue done"
+    grep "^== " "$root/log" | tail -20
+    ;;
+  *) echo "queue.sh: unknown command $cmd" >&2; exit 2 ;;
+esac
