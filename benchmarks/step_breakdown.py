@@ -890,9 +890,17 @@ def run_arm_here(spec: dict) -> None:
         data = llm.collective_rpc(fetch_records)[0]
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
         tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-        row = summarize(data, concurrency, k, spec.get("capacity", False)) | {
+        row = summarize(data, concurrency, k, spec.get("capacity", False))
+        acceptance = counts.acceptance_length if counts.drafts else None
+        step_ms = row["step_ms_median"]
+        row |= {
+            # Steady-state decode throughput: tokens per step over the median step.
+            "decode_tok_s": (
+                round(concurrency * (acceptance or 1.0) * 1e3 / step_ms, 1) if step_ms else None
+            ),
+            # The whole recorded run, prefill and the shadow re-runs of the split included.
             "tok_s_recorded_run": round(tokens / seconds, 1),
-            "acceptance_length": round(counts.acceptance_length, 4) if counts.drafts else None,
+            "acceptance_length": round(acceptance, 4) if acceptance else None,
             "engine_start_s": round(engine_s, 1),
             "device": torch.cuda.get_device_name(0),
             "hooks": probe["hooks"],
