@@ -199,8 +199,9 @@ def main() -> int:
     rows = []
     for arm in arms:
         rows += run_arm(arm, args)
-        write_record(args.out, arms, rows)  # after every server: a later failure keeps these
-    plot(rows, args.out.with_suffix(".png"))
+        # After every server: a later failure keeps these.
+        write_record(args.out, arms, rows)
+        plot(rows, args.out.with_suffix(".png"))
     return 0
 
 

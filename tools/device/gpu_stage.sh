@@ -19,7 +19,7 @@
 #            sps (curve profiled at start-up), sps with dynamic depth (one shared engine)
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
-#            pair: embedded (2 servers of ~60 s) or qwen3-8b (2 servers of ~110-190 s)
+#            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
 #   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two or three
 #            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
@@ -106,7 +106,9 @@ case "$stage" in
     vllm_env; use_recalibrated
     pair=${3:?pair}; arms=benchmarks/arms/embedded.json
     [ "$pair" = qwen3-8b ] && arms=benchmarks/arms/qwen3_8b_synthetic.json
-    timeout 580 python3 benchmarks/serve_sweep.py --arms "$arms" --pair "$pair" \
+    # Three servers: longer than one call allows, so run it from tools/device/queue.sh (the
+    # JSON and plot are rewritten after every server).
+    timeout 1500 python3 benchmarks/serve_sweep.py --arms "$arms" --pair "$pair" \
       --out "$OUT/serve_sweep_$pair.json" 2>&1 | grep "^{\|Error\|error" | tail -12
     ;;
   breakdown)
