@@ -113,10 +113,12 @@ case "$stage" in
     ;;
   breakdown)
     vllm_env
-    merge=(); [ -f /tmp/step_breakdown.json ] && merge=(--merge /tmp/step_breakdown.json)
-    timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" ${4:+--graphs-to $4} \
-      --out "$OUT/step_breakdown.json" 2>&1 | quiet | tail -20
-    cp "$OUT/step_breakdown.json" /tmp/step_breakdown.json
+    # Rows merge only with earlier rows of the same engine arguments (graphs or not).
+    name=step_breakdown${4:+_graphs$4}
+    merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
+    timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
+      ${4:+--graphs-to "$4"} --out "$OUT/$name.json" 2>&1 | quiet | tail -20
+    cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
   tp)
     vllm_env; use_recalibrated
