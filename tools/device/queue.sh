@@ -8,13 +8,14 @@
 #   bash tools/device/queue.sh wait SECONDS   # until the queue ends or SECONDS pass, then
 #                                             # packs every result so far into $OUT
 #
-# `start` copies the tree to /tmp/queue/tree first: each device call brings a fresh copy of
-# the repository, which must not change under a running stage. Each stage writes into
-# /tmp/queue/results/STAGE-N/ (its $OUT) and logs to /tmp/queue/log. `wait` returns one
-# archive, results.tar.gz (the device returns at most 8 files), and prints the log's tail.
+# `start` copies the tree to /tmp/queue/tree first (QUEUE_ROOT overrides /tmp/queue): each
+# device call brings a fresh copy of the repository, which must not change under a running
+# stage. Each stage writes into /tmp/queue/results/STAGE-N/ (its $OUT) and logs to
+# /tmp/queue/log. `wait` returns one archive, results.tar.gz (the device returns at most 8
+# files), and prints the log's tail. The device copy has no .git: name the commit.
 set -u
 cmd=${1:?usage: queue.sh start COMMIT STAGE... | wait SECONDS}
-root=/tmp/queue
+root=${QUEUE_ROOT:-/tmp/queue}
 case "$cmd" in
   start)
     commit=${2:?commit}; shift 2

@@ -1,0 +1,50 @@
+"""tools/device/queue.sh: stages run in a background session, in order, and their results
+come back in one archive with the log (on the device machine, a call's own processes end
+with it; here the copied tree holds a stand-in gpu_stage.sh)."""
+
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+TOOLS = Path(__file__).parents[2] / "tools" / "device"
+FAKE_STAGE = """#!/usr/bin/env bash
+# stand-in: STAGE COMMIT [ARG...]; writes its arguments, fails for "bad"
+echo "$@" > "$OUT/args.txt"; [ "$1" != bad ]
+"""
+
+
+def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "tools" / "device").mkdir(parents=True)
+    shutil.copy(TOOLS / "queue.sh", tree / "tools" / "device")
+    (tree / "tools" / "device" / "gpu_stage.sh").write_text(FAKE_STAGE)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "QUEUE_ROOT": str(tmp_path / "queue")}
+
+    def queue(*args):
+        done = subprocess.run(
+            ["bash", "tools/device/queue.sh", *args],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return done.stdout
+
+    assert "queued" in queue("start", "abc123", "breakdown:nospec,k1:2048", "bad")
+    assert "queue done" in queue("wait", "30")
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+        args = archive.extractfile("results/breakdown-1/args.txt").read().decode()
+        log = archive.extractfile("results/queue.log").read().decode()
+    assert "results/bad-2/args.txt" in names
+    assert args.split() == ["breakdown", "abc123", "nospec,k1", "2048"]
+    assert "breakdown:nospec,k1:2048 rc=0" in log and "bad rc=1" in log
+    # A second queue adds its results beside the first's.
+    queue("start", "abc123", "again")
+    queue("wait", "30")
+    with tarfile.open(out / "results.tar.gz") as archive:
+        assert any(name.startswith("results/again-") for name in archive.getnames())
