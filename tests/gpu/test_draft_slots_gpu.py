@@ -19,17 +19,13 @@ been exercised.
 Set DSPARK_RESULTS_DIR to also write ``draft_slots.json`` there.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 from gpu_options import EVERY_CAPACITY_OPTION
 from gpu_results import write_result
-from subprocess_probe import run_probe, without_dspark_plugin
+from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
-LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 # As many prompts as the probe's max_num_seqs: every request slot is taken at the start.
 NUM_PROMPTS, MAX_NUM_SEQS = 64, 64
 # At least this many draft graph replays padded beyond their batch (about 20-30 expected).
@@ -50,19 +46,14 @@ def max_tokens_per_prompt() -> list[int]:
 
 
 def run(options: dict, plugin: bool) -> dict:
-    spec = {
-        "target": str(EMBEDDED_PAIR / "target"),
-        "draft": str(EMBEDDED_PAIR / "draft"),
-        "options": options,
-        "prompts": load_prompts(num_prompts=NUM_PROMPTS),
-        "max_tokens": max_tokens_per_prompt(),
-        "max_num_seqs": MAX_NUM_SEQS,
-        "dtype": "float32",
-        "gpu_memory_utilization": 0.1,
-        "check_draft_slots": True,
-    }
-    plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=plugins)
+    return run_pair(
+        options,
+        plugin,
+        prompts=load_prompts(num_prompts=NUM_PROMPTS),
+        max_tokens=max_tokens_per_prompt(),
+        max_num_seqs=MAX_NUM_SEQS,
+        check_draft_slots=True,
+    )
 
 
 def summary(arm: dict) -> dict:

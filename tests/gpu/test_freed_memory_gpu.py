@@ -11,17 +11,13 @@ speculation (float32). Whether stock fails is recorded, not assumed.
 Set DSPARK_RESULTS_DIR to also write ``freed_memory.json`` there.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 from gpu_options import EVERY_CAPACITY_OPTION
 from gpu_results import write_result
-from subprocess_probe import run_probe, without_dspark_plugin
+from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
-LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_PROMPTS, MAX_TOKENS = 64, 96
 
 pytestmark = [
@@ -30,25 +26,17 @@ pytestmark = [
 ]
 
 
-def run(draft: bool, options: dict, plugin: bool) -> dict:
-    spec = {
-        "target": str(EMBEDDED_PAIR / "target"),
-        "draft": str(EMBEDDED_PAIR / "draft") if draft else None,
-        "options": options,
-        "prompts": load_prompts(num_prompts=NUM_PROMPTS),
-        "max_tokens": MAX_TOKENS,
-        "dtype": "float32",
-        "gpu_memory_utilization": 0.1,
-        "poison_freed_memory": True,
-    }
-    plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=plugins)
+def run(options: dict | None, plugin: bool) -> dict:
+    prompts = load_prompts(num_prompts=NUM_PROMPTS)
+    return run_pair(
+        options, plugin, prompts=prompts, max_tokens=MAX_TOKENS, poison_freed_memory=True
+    )
 
 
 def test_poisoned_free_memory_changes_no_output():
-    reference = run(draft=False, options={}, plugin=True)
-    stock = run(draft=True, options={}, plugin=False)
-    plugin = run(draft=True, options=EVERY_CAPACITY_OPTION, plugin=True)
+    reference = run(options=None, plugin=True)
+    stock = run(options={}, plugin=False)
+    plugin = run(options=EVERY_CAPACITY_OPTION, plugin=True)
     record = {
         name: {
             "greedy_identical_prompts": sum(

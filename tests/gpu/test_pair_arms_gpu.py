@@ -20,17 +20,13 @@ separate engines and can run as two processes. Set DSPARK_RESULTS_DIR to also wr
 ``pair_arms.json`` there.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from gpu_results import write_result
-from subprocess_probe import run_probe
+from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
-LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_PROMPTS, MAX_TOKENS = 64, 128
 MIN_AGREEMENT, MAX_ACCEPTANCE_CHANGE = 0.995, 0.01
 MIN_BF16_IDENTICAL = 0.9  # share of prompts whose bf16 outputs equal no speculation's
@@ -137,21 +133,13 @@ class Arms(dict):
         if name in CAPACITY_ARMS:
             return self["capacity"]["arms"][name]
         options, dtype = ARMS[name]
-        spec = {
-            "target": str(EMBEDDED_PAIR / "target"),
-            "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
-            "options": options or {},
-            "prompts": load_prompts(num_prompts=NUM_PROMPTS),
-            "max_tokens": MAX_TOKENS,
-            "dtype": dtype,
-            "gpu_memory_utilization": 0.1,
-        }
+        spec = {"prompts": load_prompts(num_prompts=NUM_PROMPTS), "max_tokens": MAX_TOKENS}
         if name == "capacity":
             spec["switch"] = [
                 [arm, {"varlen_verify": True, "dynamic_depth": False} | updates]
                 for arm, updates in CAPACITY_ARMS.items()
             ]
-        self[name] = run_probe(LLM_PROBE, stdin=json.dumps(spec))
+        self[name] = run_pair(options, dtype=dtype, **spec)
         return self[name]
 
 

@@ -11,16 +11,12 @@ plugin must keep acceptance within 5%.
 Set DSPARK_RESULTS_DIR to also write ``prefix_cache.json`` there.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 from gpu_results import write_result
-from subprocess_probe import run_probe, without_dspark_plugin
+from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
-LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_REQUESTS, MAX_TOKENS, MAX_ACCEPTANCE_GAP = 48, 96, 0.05
 
 pytestmark = [
@@ -38,19 +34,14 @@ def shared_prefix_prompts() -> list[list[int]]:
 
 
 def run(plugin: bool, caching: bool) -> dict:
-    spec = {
-        "target": str(EMBEDDED_PAIR / "target"),
-        "draft": str(EMBEDDED_PAIR / "draft"),
+    return run_pair(
         # Loads the plugin's speculator (capacity control stays off).
-        "options": {"dspark_confidence_metrics": True} if plugin else {},
-        "prompts": shared_prefix_prompts(),
-        "max_tokens": MAX_TOKENS,
-        "dtype": "float32",
-        "enable_prefix_caching": caching,
-        "gpu_memory_utilization": 0.1,
-    }
-    plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, stdin=json.dumps(spec), plugins=plugins)
+        {"dspark_confidence_metrics": True} if plugin else {},
+        plugin,
+        prompts=shared_prefix_prompts(),
+        max_tokens=MAX_TOKENS,
+        enable_prefix_caching=caching,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,14 @@ shapes and hang or diverge.
 Set DSPARK_RESULTS_DIR to also write ``tp.json`` there.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from gpu_options import EVERY_CAPACITY_OPTION
 from gpu_results import write_result
-from subprocess_probe import run_probe
+from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
-LLM_PROBE = Path(__file__).with_name("llm_probe.py")
 NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 500, 96, 64
 
 pytestmark = [
@@ -40,18 +36,15 @@ def requests() -> list[list[int]]:
 
 
 def run(tp: int, options: dict | None) -> dict:
-    spec = {
-        "target": str(EMBEDDED_PAIR / "target"),
-        "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
-        "options": options or {},
-        "prompts": requests(),
-        "max_tokens": MAX_TOKENS,
-        "dtype": "float32",
-        "gpu_memory_utilization": 0.2,
-        "tensor_parallel_size": tp,
-        "max_num_seqs": CONCURRENCY,
-    }
-    return run_probe(LLM_PROBE, stdin=json.dumps(spec), timeout=1200)
+    return run_pair(
+        options,
+        timeout=1200,
+        prompts=requests(),
+        max_tokens=MAX_TOKENS,
+        gpu_memory_utilization=0.2,
+        tensor_parallel_size=tp,
+        max_num_seqs=CONCURRENCY,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,29 @@
+"""``tests/gpu/llm_probe.py`` on the embedded pair, the way the GPU tests run it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from subprocess_probe import run_probe, without_dspark_plugin
+
+from vllm_dspark.demo import EMBEDDED_PAIR
+
+LLM_PROBE = Path(__file__).parent / "gpu" / "llm_probe.py"
+
+
+def run_pair(options: dict | None, plugin: bool = True, timeout: int = 900, **spec) -> dict:
+    """Greedy generation with the embedded pair: DSpark with ``options`` (None: no
+    speculation), with or without this plugin loaded. ``spec`` gives the probe's other keys
+    (the prompts and max_tokens at least) and may override the defaults: float32, a tenth
+    of the GPU's memory."""
+    full = {
+        "target": str(EMBEDDED_PAIR / "target"),
+        "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
+        "options": options or {},
+        "dtype": "float32",
+        "gpu_memory_utilization": 0.1,
+        **spec,
+    }
+    plugins = None if plugin else without_dspark_plugin()
+    return run_probe(LLM_PROBE, stdin=json.dumps(full), plugins=plugins, timeout=timeout)
