@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from llm_probe import fixed_kv_cache_bytes  # beside this script
+
 
 def main(spec: dict) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -29,8 +31,7 @@ def main(spec: dict) -> None:
             max_num_seqs=64,
             num_gpu_blocks_override=spec["num_gpu_blocks"],
             gpu_memory_utilization=0.1,
-            # As in llm_probe.py: a fixed size when several probes share the GPU.
-            kv_cache_memory_bytes=int(os.environ.get("DSPARK_PROBE_KV_CACHE_BYTES", 0)) or None,
+            kv_cache_memory_bytes=fixed_kv_cache_bytes(),
             enable_prefix_caching=True,
             seed=0,
             disable_log_stats=False,
