@@ -543,6 +543,42 @@ def fetch_records(worker) -> dict:
     return worker.model_runner._step_breakdown_probe.collect()
 
 
+def start_host_profile(worker) -> None:
+    """cProfile the engine core's thread (it runs the scheduler and this worker's steps)."""
+    import cProfile
+
+    worker._host_profile = cProfile.Profile()
+    worker._host_profile.enable()
+
+
+def stop_host_profile(worker, top: int) -> dict:
+    """Microseconds per step of the ``top`` functions by own time and by cumulative time,
+    per real ``execute_model`` call of the profiled run."""
+    import pstats
+
+    profile = worker._host_profile
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    steps = max(
+        (calls for (_, _, name), (_, calls, *_rest) in stats.items() if name == "execute_model"),
+        default=0,
+    )
+
+    def table(column: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[:top]
+        return [
+            {
+                "function": f"{Path(file).name}:{line}:{name}",
+                "calls_per_step": round(calls / max(steps, 1), 2),
+                "own_us_per_step": round(own * 1e6 / max(steps, 1), 1),
+                "cumulative_us_per_step": round(cumulative * 1e6 / max(steps, 1), 1),
+            }
+            for (file, line, name), (_, calls, own, cumulative, _callers) in ranked
+        ]
+
+    return {"steps": steps, "by_own_time": table(2), "by_cumulative_time": table(3)}
+
+
 # --------------------------------------------------------------------------------------
 # Pure logic: from per-step records to the reported row.
 
@@ -905,6 +941,13 @@ def run_arm_here(spec: dict) -> None:
             "device": torch.cuda.get_device_name(0),
             "hooks": probe["hooks"],
         }
+        if spec.get("host_profile"):
+            # A separate, unrecorded run: cProfile slows the host several-fold.
+            llm.collective_rpc(start_host_profile)
+            llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
+            row["host_profile"] = llm.collective_rpc(
+                stop_host_profile, args=(spec["host_profile"],)
+            )[0]
         print("ROW " + json.dumps(row), flush=True)
 
 
@@ -947,6 +990,13 @@ def main() -> int:
     parser.add_argument(
         "--graphs-to", type=int, help="capture CUDA graphs up to this many tokens (every arm)"
     )
+    parser.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each recorded run, one more under cProfile: the N costliest host functions",
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON (PNG beside it)")
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -984,6 +1034,7 @@ def main() -> int:
             "k": k,
             "capacity": capacity,
             "graphs_to": args.graphs_to,
+            "host_profile": args.host_profile,
             "rates": args.rates,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,

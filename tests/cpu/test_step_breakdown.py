@@ -5,6 +5,7 @@ methods and call sites the probe relies on (its GPU run is on the H200)."""
 import inspect
 import json
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -594,3 +595,26 @@ def test_main_runs_one_process_per_arm_with_a_block_k_draft_and_merges(tmp_path,
     ]
     assert record["earlier_commands"] == [f"step_breakdown.py --arms nospec --out {first}"]
     assert record["device"] == "NVIDIA H200"
+
+
+def test_host_profile_reports_time_per_execute_model_call():
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def execute_model() -> None:
+        busy(0.002)
+
+    worker = SimpleNamespace()
+    sb.start_host_profile(worker)
+    for _ in range(4):
+        execute_model()
+    report = sb.stop_host_profile(worker, top=5)
+    assert report["steps"] == 4
+    assert report["by_own_time"][0]["function"].endswith(":busy")
+    cumulative = {row["function"].rsplit(":", 1)[1]: row for row in report["by_cumulative_time"]}
+    assert cumulative["busy"]["calls_per_step"] == 1.0
+    # About 2 ms per step in busy and the execute_model around it (cProfile adds a little).
+    for name in ("busy", "execute_model"):
+        assert 1800 <= cumulative[name]["cumulative_us_per_step"] <= 5000

@@ -117,7 +117,7 @@ case "$stage" in
     name=step_breakdown${4:+_graphs$4}
     merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
     timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
-      ${4:+--graphs-to "$4"} --out "$OUT/$name.json" 2>&1 | quiet | tail -20
+      ${4:+--graphs-to "$4"} --host-profile 40 --out "$OUT/$name.json" 2>&1 | quiet | tail -20
     cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
   tp)
