@@ -114,6 +114,24 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     assert _step_budget(runner, scheduler_output(padded, new_drafts, new=["new"])) is None
 
 
+def test_a_step_admitting_every_draft_runs_uncompacted(engine_config, model_dirs):
+    from vllm_dspark.patches.compact_verification import _step_budget
+
+    full = build_speculator(
+        engine_config, model_dirs, dspark_capacity="budget", dspark_budget_frac=1.0
+    )
+    runner = SimpleNamespace(
+        speculator=full,
+        req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
+        sampler=SimpleNamespace(returns_logprobs=lambda slots: False),
+    )
+    both = {"a": 1 + K, "b": 1 + K}
+    assert _step_budget(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
+    # Counted as admitted on the host; no compacted step.
+    assert (full.drafts_proposed, full.drafts_admitted) == (2 * K, 2 * K)
+    assert full.compacted_steps == 0
+
+
 def test_stale_record_reads_the_proposal_before_the_last():
     from vllm_dspark.capacity.stale_record import StalePerRequest
 

@@ -118,6 +118,7 @@ class CapacityControl:
         self.drafts_admitted = 0
         self.compacted_steps = 0
         self.graph_steps = 0  # compacted steps replayed from a FULL CUDA graph
+        self.all_drafts = torch.tensor(float(num_drafts))  # K, for full-admission records
         if self.controls_capacity:
             _check_compaction_supported(vllm_config)
 
@@ -222,6 +223,17 @@ class CapacityControl:
             # the gate, which weighs depths up to that one, would then stay closed.)
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(capacity.max(), 1)
+            self.physical_depth.observe(num_reqs, max_admitted)
+
+    def record_full_admission(self, num_reqs: int) -> None:
+        """After a decode step that admitted every draft: it runs vLLM's uniform layout
+        uncompacted (the same tokens), so this bookkeeping stays on the host."""
+        num_drafts = self.num_speculative_steps
+        self.drafts_proposed += num_reqs * num_drafts
+        self.drafts_admitted += num_reqs * num_drafts
+        if self.physical_depth is not None:
+            max_admitted = round(self.stale_max_admitted.per_request())
+            self.stale_max_admitted.record(self.all_drafts, 1)
             self.physical_depth.observe(num_reqs, max_admitted)
 
     def fold_fingerprint(self, admitted: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ logits indices and the rejection sampler's per-request draft counts). The target
 must build its metadata from device-side query offsets (FlashAttention or Triton attention;
 start-up refuses others). The slot mappings and attention metadata are then derived by vLLM
 from the compact batch as usual. Steps with prefills, structured output or logprobs run
-unchanged (all K drafts), which is always lossless. Runners whose speculator has no capacity
+unchanged (all K drafts), which is always lossless, and so do steps that admit all K. Runners whose speculator has no capacity
 control are untouched: the wrappers find no budget and call vLLM's code.
 Why: vLLM 0.26.0 verifies every scheduled draft; under load the verification of
 drafts that will be rejected costs more than speculation gains.
@@ -74,7 +74,13 @@ def _step_budget(runner, scheduler_output) -> int | None:
     if runner.sampler.returns_logprobs(slots):
         # Logprobs are laid out per request on the host: verify everything this step.
         return None
-    return speculator.admission_budget(len(counts))
+    budget = speculator.admission_budget(len(counts))
+    if budget == len(counts) * num_drafts:
+        # Every draft admitted: compaction would be the identity. vLLM's own uniform
+        # step (and its uniform-decode graph) runs the same tokens with less host work.
+        speculator.record_full_admission(len(counts))
+        return None
+    return budget
 
 
 def _make_execute_wrapper(execute_model):
