@@ -161,7 +161,9 @@ def test_capacity_modes_are_lossless(arms, mode):
     assert 0 < capped_rate
     # This pair's own curve may make every draft worth verifying.
     assert capped_rate <= fixed_rate if mode == "sps-auto" else capped_rate < fixed_rate
-    assert arms[mode]["admission"]["steps"] > 0
+    admission = arms[mode]["admission"]
+    # Steps admitting every draft run uncompacted; some step must have been decided.
+    assert admission["steps"] > 0 or admission["admitted"] == admission["proposed"] > 0
     if mode.startswith("budget"):
         # vLLM's draft-token counter counts verified drafts (patches/admission_metrics.py):
         # about half of K per request at budget_frac 0.5 (uncompacted steps verify all K).
