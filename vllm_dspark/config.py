@@ -98,6 +98,13 @@ class DSparkOptions(BaseModel):
     """Target steps per second against tokens per step, for ``capacity=sps``;
     ``auto`` profiles it at start-up from CUDA-graph replays."""
 
+    step_overhead_ms: Literal["auto"] | Annotated[float, Field(ge=0.0)] = Field(
+        "auto", json_schema_extra=_valid('"auto" or a number of milliseconds >= 0')
+    )
+    """Time per target step that the SPS curve leaves out (scheduling, input preparation,
+    sampling, output handling), for ``capacity=sps``: ``auto`` measures it while serving;
+    a number fixes it (0: the curve alone)."""
+
     confidence_temperature: list[StrictFloat] | None = Field(
         None,
         json_schema_extra=_valid(
@@ -182,6 +189,7 @@ class DSparkOptions(BaseModel):
             "confidence_threshold": ("threshold",),
             "budget_frac": ("budget", "sps"),
             "sps_curve": ("sps",),
+            "step_overhead_ms": ("sps",),
             "confidence_temperature": CONFIDENCE_MODES,
             "online_sts": CONFIDENCE_MODES,
             "dynamic_depth": CONFIDENCE_MODES,

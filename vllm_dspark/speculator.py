@@ -154,6 +154,7 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         drafting = True
         if real_step:
             self._observe_verification(input_batch, slots, call["num_sampled"])
+            self.observe_step(input_batch.num_reqs)
             if self.physical_depth is not None:
                 self._use_depth(self.physical_depth.depth)
             drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)

@@ -12,7 +12,8 @@ they split over the requests (on the device). The modes:
   length (:mod:`vllm_dspark.capacity.acceptance`); needs no confidence head.
 
 With ``sps`` and its curve profiled at start-up, the drafter's time is profiled too and
-:mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under load.
+:mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under load. ``sps``
+and the gate count each step's time outside the curve (:mod:`step_overhead`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from vllm_dspark.capacity.allocation import (
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.stale_record import StalePerRequest
+from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 
 # The admission fingerprint's modulus (2^31 - 1) and multiplier: products fit in int64.
@@ -45,6 +47,7 @@ SWITCHABLE = frozenset(
         "budget_frac",
         "confidence_threshold",
         "sps_curve",
+        "step_overhead_ms",
         "dynamic_depth",
         "varlen_verify",
     }
@@ -71,6 +74,16 @@ class CapacityControl:
         if options.capacity in ("threshold", "sps"):
             self.stale_budget = StalePerRequest(device, options.budget_frac * num_drafts)
         self.sps_table = None
+        self.sps_table_host = None
+        # sps: the step's time outside the curve; the verified tokens of the step being
+        # run are set by the compaction wrapper (None: not a decode step).
+        self.step_overhead = None
+        self.step_tokens = None
+        if options.capacity == "sps":
+            fixed = options.step_overhead_ms
+            self.step_overhead = StepOverhead(
+                device, None if fixed == "auto" else fixed / 1000.0, _tp_reduce_max()
+            )
         # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve);
         # an engine switched back to auto (switch_capacity) reuses its profile.
         self.profiled_sps_curve = getattr(self, "profiled_sps_curve", None)
@@ -170,7 +183,9 @@ class CapacityControl:
         """Whether the coming proposal drafts (always, unless the draft gate closes)."""
         if self.draft_gate is None:
             return True
-        drafting = self.draft_gate.decide(num_reqs, self.stale_survival.per_request(), depth)
+        drafting = self.draft_gate.decide(
+            num_reqs, self.stale_survival.per_request(), depth, self.step_overhead.seconds
+        )
         self.proposals_skipped += not drafting
         return drafting
 
@@ -178,7 +193,25 @@ class CapacityControl:
         if profiled:
             self.profiled_sps_curve = curve
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
-        self.sps_table = sps_table_from_curve(curve, max_tokens).to(device)
+        self.sps_table_host = sps_table_from_curve(curve, max_tokens).double()
+        self.sps_table = self.sps_table_host.float().to(device)
+
+    def observe_step(self, num_reqs: int) -> None:
+        """At a real proposal, for ``sps``: the step that just ran is one sample of the
+        time outside the curve (:mod:`step_overhead`)."""
+        if self.step_overhead is None or self.sps_table_host is None:
+            return
+        tokens, self.step_tokens = self.step_tokens, None
+        if tokens is not None and tokens >= len(self.sps_table_host):
+            tokens = None  # beyond the table: outside what the curve describes
+        forward = 1.0 / float(self.sps_table_host[tokens]) if tokens is not None else 0.0
+        self.step_overhead.observe(tokens, forward, self._draft_seconds(num_reqs))
+
+    def _draft_seconds(self, num_reqs: int) -> float:
+        """The profiled time of the last proposal (0 when skipped or not profiled)."""
+        if self.draft_gate is None or not self.drafted_last:
+            return 0.0
+        return float(self.draft_gate.draft_seconds[min(num_reqs, self.max_num_reqs)])
 
     def admission_budget(self, num_reqs: int) -> int:
         """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
@@ -269,7 +302,9 @@ class CapacityControl:
         if self.options.capacity == "threshold":
             wanted = threshold_count(survival, self.options.confidence_threshold)
         else:
-            wanted = sps_best_count(survival, self.sps_table)
+            # The next step's time beyond its forward: O, and the proposal it makes.
+            fixed = self.step_overhead.seconds + self._draft_seconds(survival.shape[0])
+            wanted = sps_best_count(survival, self.sps_table, fixed)
         self.stale_budget.record(wanted, survival.shape[0])
 
     def set_attn(
@@ -280,6 +315,24 @@ class CapacityControl:
         )
         if self.controls_capacity:
             _check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
+
+
+def _tp_reduce_max():
+    """In-place max over the tensor-parallel ranks of a device tensor (None: one rank)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return None
+
+    def reduce_max(tensor: torch.Tensor) -> None:
+        torch.distributed.all_reduce(
+            tensor, op=torch.distributed.ReduceOp.MAX, group=group.device_group
+        )
+
+    return reduce_max
 
 
 # Attention backends that build a compacted batch's metadata from device-side query

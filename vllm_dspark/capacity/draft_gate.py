@@ -8,9 +8,10 @@ survival per position s_1..s_K (:mod:`stale_record`) and the drafter's profiled 
 D(R) for one proposal, the expected tokens per second of drafting and verifying j
 positions per request is
 
-    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R)),      j = 1..depth,
+    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O),      j = 1..depth,
 
-against R SPS(R) without drafting. The gate drafts when the best j wins, with a 2%
+against R / (1 / SPS(R) + O) without drafting, O being the step's time outside the
+curve (:mod:`step_overhead`). The gate drafts when the best j wins, with a 2%
 hysteresis either way so that noise does not flip it every step. A skipped proposal still
 lets the drafter store its context K/V (later proposals need it) and verifies no draft:
 the next step's budget is 0 and vLLM runs R tokens, as without speculation. While the gate
@@ -47,22 +48,27 @@ class DraftGate:
     draft_seconds: torch.Tensor  # seconds per proposal at R requests
     drafting: bool = True
 
-    def gains(self, num_reqs: int, mean_survival: list[float], depth: int) -> tuple[float, float]:
+    def gains(
+        self, num_reqs: int, mean_survival: list[float], depth: int, overhead_s: float = 0.0
+    ) -> tuple[float, float]:
         """(best expected tokens/s with drafting, tokens/s without)."""
         sps = self.sps_table
-        without = num_reqs * float(sps[num_reqs])
+        without = num_reqs / (1.0 / float(sps[num_reqs]) + overhead_s)
         best, expected = 0.0, 1.0
+        fixed = float(self.draft_seconds[num_reqs]) + overhead_s
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
-            step = 1.0 / float(sps[num_reqs * (1 + j)]) + float(self.draft_seconds[num_reqs])
+            step = 1.0 / float(sps[num_reqs * (1 + j)]) + fixed
             best = max(best, num_reqs * expected / step)
         return best, without
 
-    def decide(self, num_reqs: int, mean_survival: list[float], depth: int) -> bool:
+    def decide(
+        self, num_reqs: int, mean_survival: list[float], depth: int, overhead_s: float = 0.0
+    ) -> bool:
         """Whether the coming proposal drafts."""
         if num_reqs == 0:
             return self.drafting
-        best, without = self.gains(num_reqs, mean_survival, depth)
+        best, without = self.gains(num_reqs, mean_survival, depth, overhead_s)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
         return self.drafting

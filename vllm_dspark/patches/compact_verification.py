@@ -17,8 +17,9 @@ logits indices and the rejection sampler's per-request draft counts). The target
 must build its metadata from device-side query offsets (FlashAttention or Triton attention;
 start-up refuses others). The slot mappings and attention metadata are then derived by vLLM
 from the compact batch as usual. Steps with prefills, structured output or logprobs run
-unchanged (all K drafts), which is always lossless, and so do steps that admit all K. Runners whose speculator has no capacity
-control are untouched: the wrappers find no budget and call vLLM's code.
+unchanged (all K drafts), which is always lossless, and so do steps that admit all K.
+Runners whose speculator has no capacity control are untouched: the wrappers find no
+budget and call vLLM's code.
 Why: vLLM 0.26.0 verifies every scheduled draft; under load the verification of
 drafts that will be rejected costs more than speculation gains.
 Upstream: vllm-project/vllm#47808 (adaptive verification) does this in-tree, in vLLM
@@ -75,6 +76,7 @@ def _step_budget(runner, scheduler_output) -> int | None:
         # Logprobs are laid out per request on the host: verify everything this step.
         return None
     budget = speculator.admission_budget(len(counts))
+    speculator.step_tokens = len(counts) + budget  # what the step verifies, for sps
     if budget == len(counts) * num_drafts:
         # Every draft admitted: compaction would be the identity. vLLM's own uniform
         # step (and its uniform-decode graph) runs the same tokens with less host work.
