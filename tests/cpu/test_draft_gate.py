@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from vllm_dspark.capacity.draft_gate import HYSTERESIS, DraftGate, draft_seconds_table
+from vllm_dspark.capacity.draft_gate import (
+    HYSTERESIS,
+    PROBE_EVERY,
+    DraftGate,
+    draft_seconds_table,
+)
 
 K, R_MAX = 7, 256
 
@@ -46,6 +51,18 @@ def test_hysteresis_keeps_a_decision_near_the_break_even():
     gate.drafting = False
     assert not gate.decide(8, survival, K)
     assert gate.decide(8, [0.5] + [0.0] * (K - 1), K)  # clearly better: reopens
+
+
+def test_a_closed_gate_probes_now_and_then_to_measure_survival_again():
+    gate = DraftGate(sps_table(0.05, 10.0), draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX))
+    hopeless = [0.0] * K
+    decisions = [gate.decide(1, hopeless, K) for _ in range(3 * PROBE_EVERY)]
+    probes = [i for i, drafting in enumerate(decisions) if drafting]
+    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    assert not gate.drafting  # a probe does not reopen the gate by itself
+    # A probe that measured good survivals reopens it for good.
+    assert gate.decide(1, [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02], K)
+    assert gate.decide(1, [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02], K)
 
 
 def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(

@@ -16,8 +16,10 @@ hysteresis either way so that noise does not flip it every step. A skipped propo
 lets the drafter store its context K/V (later proposals need it) and verifies no draft:
 the next step's budget is 0 and vLLM runs R tokens, as without speculation. While the gate
 is closed the survival statistics keep their last values, so it reopens as load leaves
-(smaller R). Host arithmetic on values every rank reads alike: every tensor-parallel rank
-decides the same.
+(smaller R); and every ``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so
+that survivals which were low when it closed (or the first steps' guesses) are measured
+again rather than kept for good. Host arithmetic on values every rank reads alike: every
+tensor-parallel rank decides the same.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 HYSTERESIS = 0.02
+PROBE_EVERY = 64  # skipped proposals in a row before one is drafted to refresh survivals
 
 
 def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> torch.Tensor:
@@ -47,6 +50,7 @@ class DraftGate:
     sps_table: torch.Tensor  # steps per second at T tokens per step, T = 0..R_max (1 + K)
     draft_seconds: torch.Tensor  # seconds per proposal at R requests
     drafting: bool = True
+    skipped_in_a_row: int = 0
 
     def gains(
         self, num_reqs: int, mean_survival: list[float], depth: int, overhead_s: float = 0.0
@@ -71,4 +75,11 @@ class DraftGate:
         best, without = self.gains(num_reqs, mean_survival, depth, overhead_s)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
-        return self.drafting
+        if self.drafting:
+            self.skipped_in_a_row = 0
+            return True
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= PROBE_EVERY:
+            self.skipped_in_a_row = 0
+            return True  # a probe: the gate stays closed unless its survivals reopen it
+        return False
