@@ -2,16 +2,24 @@
 
 Reads one JSON object on standard input: {"target", "draft" (or null), "options", "requests"
 (a list of {"id", "prompt", "max_tokens", "abort_after"} where abort_after is null or a
-number of output tokens after which the request is aborted), "num_gpu_blocks", "dtype"}.
+number of output tokens after which the request is aborted), "num_gpu_blocks", "dtype", "margins"}.
 Runs the engine core in this process (so its KV-cache pool can be inspected) and prints one
 JSON line: the token ids of every request that finished, the ids aborted, the free KV blocks
-before and after, and the preemptions vLLM counted."""
+before and after, and the preemptions vLLM counted; with "margins" true, also per finished
+request and output position the gap between the two most likely tokens' logprobs (how near
+a tie the greedy choice was)."""
 
 import json
 import os
 import sys
 
 from llm_probe import fixed_kv_cache_bytes  # beside this script
+
+
+def top_two_gap(position: dict) -> float:
+    """logprob of the most likely token minus the second's (by vLLM's ranks)."""
+    by_rank = {logprob.rank: logprob.logprob for logprob in position.values()}
+    return round(by_rank[1] - by_rank[2], 7)
 
 
 def main(spec: dict) -> None:
@@ -41,12 +49,15 @@ def main(spec: dict) -> None:
     pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
     abort_after = {}
+    top = 2 if spec.get("margins") else None
     for request in spec["requests"]:
-        params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True, logprobs=top
+        )
         engine.add_request(request["id"], {"prompt_token_ids": request["prompt"]}, params)
         if request["abort_after"] is not None:
             abort_after[request["id"]] = request["abort_after"]
-    finished, aborted = {}, set()
+    finished, aborted, margins = {}, set(), {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.request_id in aborted:
@@ -54,6 +65,10 @@ def main(spec: dict) -> None:
             tokens = list(output.outputs[0].token_ids)
             if output.finished:
                 finished[output.request_id] = tokens
+                if top:
+                    margins[output.request_id] = [
+                        top_two_gap(position) for position in output.outputs[0].logprobs
+                    ]
             elif len(tokens) >= abort_after.get(output.request_id, 1 << 30):
                 engine.abort_request([output.request_id])
                 aborted.add(output.request_id)
@@ -71,6 +86,7 @@ def main(spec: dict) -> None:
                 "free_blocks_before": free_before,
                 "free_blocks_after": pool.get_num_free_blocks(),
                 "preemptions": preemptions,
+                "margins": margins,
             }
         )
     )

@@ -5,8 +5,14 @@ prefixes (prefix caching on), a KV cache small enough to force preemption, one r
 twenty aborted mid-stream; the plugin's capacity control (sps profiled at start-up,
 compact verification, dynamic depth), online STS and the calibration metrics all on.
 No crash, every KV block back in the pool, and every finished greedy output identical
-to the same request without speculation (float32, so bf16 ties cannot differ). Stock
-DSpark (our plugin not loaded) runs the same soak; whether it fails is recorded.
+to the same request without speculation (float32, so bf16 ties cannot differ), or, where
+it is not, diverging first at a position where the reference's two most likely tokens
+were within ``TIE_GAP`` in logprob: there the numerical noise between batch shapes (and
+between a preempted request's recomputed prefill and its decoded KV) decides, not
+speculation. The H200 run of 66818bd found 7 (stock) and 8 (plugin) of ~1,900 requests
+differing, three of them the same requests in both arms; the reference now records the
+gap at every position, so each divergence is classified instead of assumed. Stock DSpark
+(our plugin not loaded) runs the same soak; whether it fails is recorded.
 
 Set DSPARK_RESULTS_DIR to also write ``soak.json`` there.
 """
@@ -24,6 +30,9 @@ from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 SOAK_PROBE = Path(__file__).with_name("soak_probe.py")
 NUM_REQUESTS, NUM_GPU_BLOCKS = 2000, 160
+# A top-two logprob gap below this is a float32 near-tie (noise is ~1e-6 here); a real
+# divergence is free to happen at any gap.
+TIE_GAP = 1e-3
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,8 +57,10 @@ def soak_requests(seed: int = 0) -> list[dict]:
 
 
 def run(requests, options: dict | None, plugin: bool = True) -> dict:
-    """The soak with DSpark and these options (None: without speculation)."""
+    """The soak with DSpark and these options (None: without speculation, recording the
+    top-two logprob gaps)."""
     spec = {
+        "margins": options is None,
         "target": str(EMBEDDED_PAIR / "target"),
         "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
         "options": options or {},
@@ -64,6 +75,13 @@ def run(requests, options: dict | None, plugin: bool = True) -> dict:
 def summary(arm: dict, reference: dict) -> dict:
     finished = arm["finished"]
     mismatched = [i for i in finished if finished[i] != reference["finished"][i]]
+    # Per mismatch: where the outputs first differ and how near a tie the reference was.
+    divergence = {}
+    for i in sorted(mismatched, key=int):
+        ours, theirs = finished[i], reference["finished"][i]
+        position = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        divergence[i] = {"position": position, "gap": reference["margins"][i][position]}
+    real = [i for i, d in divergence.items() if d["gap"] >= TIE_GAP]
     leaked = arm["free_blocks_before"] - arm["free_blocks_after"]
     return {
         "finished": len(finished),
@@ -71,10 +89,10 @@ def summary(arm: dict, reference: dict) -> dict:
         "preemptions": arm["preemptions"],
         "leaked_kv_blocks": leaked,
         "greedy_mismatches": len(mismatched),
-        "first_mismatches": sorted(mismatched, key=int)[:10],
-        "passes": not mismatched
-        and leaked == 0
-        and len(finished) + len(arm["aborted"]) == NUM_REQUESTS,
+        "mismatches_at_near_ties": len(mismatched) - len(real),
+        "mismatches_beyond_ties": len(real),
+        "divergence": divergence,
+        "passes": not real and leaked == 0 and len(finished) + len(arm["aborted"]) == NUM_REQUESTS,
     }
 
 
