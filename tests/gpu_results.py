@@ -24,3 +24,18 @@ def write_result(filename: str, command: str, record: dict) -> None:
         "device": torch.cuda.get_device_name(0),
     }
     Path(results_dir, filename).write_text(json.dumps(header | record, indent=2))
+
+
+def first_divergences(outputs: dict, reference: dict, gaps: dict) -> dict:
+    """For each output (by key) that differs from the reference's: the first position where
+    they differ and the reference's top-two logprob gap there, how near a tie the greedy
+    choice was ({key: {"position", "gap"}}). Outputs of one request have one length."""
+    found = {}
+    for key, tokens in outputs.items():
+        theirs = reference[key]
+        if tokens == theirs:
+            continue
+        pairs = zip(tokens, theirs, strict=True)
+        position = next(j for j, (a, b) in enumerate(pairs) if a != b)
+        found[key] = {"position": position, "gap": gaps[key][position]}
+    return found

@@ -8,16 +8,25 @@ capacity options] measured one after another in this engine,
 :mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the GPU
 memory the engine does not hold with NaN, then hand it back to the allocator),
 "check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
-:func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs"}. Prints one JSON
-line: the token ids per prompt, the spec-decode counts, the plugin's admission counts
-(compacted steps), the run's tokens per second, whether vllm-dspark's patches were applied,
-and with "check_draft_slots" the check's counts ("draft_slots")."""
+:func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs", "cudagraph_mode"
+(vLLM's compilation option), "margins" (also return, per prompt and output position, the
+top-two logprob gap: :func:`top_two_gap`)}. Prints one JSON line: the token ids per prompt,
+the spec-decode counts, the plugin's admission counts (compacted steps), the run's tokens
+per second, whether vllm-dspark's patches were applied, and with "check_draft_slots" the
+check's counts ("draft_slots")."""
 
 import json
 import os
 import sys
 import time
 from dataclasses import asdict
+
+
+def top_two_gap(position: dict) -> float:
+    """One output position's logprobs (vLLM's {token: Logprob}, two or more ranks): the
+    most likely token's logprob minus the second's, how near a tie the greedy choice was."""
+    by_rank = {logprob.rank: logprob.logprob for logprob in position.values()}
+    return round(by_rank[1] - by_rank[2], 7)
 
 
 def fixed_kv_cache_bytes() -> int | None:
@@ -209,6 +218,9 @@ def main(spec: dict) -> None:
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         kv_cache_memory_bytes=fixed_kv_cache_bytes(),
         enable_prefix_caching=spec.get("enable_prefix_caching"),
+        compilation_config=(
+            {"cudagraph_mode": spec["cudagraph_mode"]} if spec.get("cudagraph_mode") else None
+        ),
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative,
@@ -218,7 +230,11 @@ def main(spec: dict) -> None:
     max_tokens = spec["max_tokens"]
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    top = 2 if spec.get("margins") else None
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=top)
+        for n in max_tokens
+    ]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     poisoned = 0
     if spec.get("poison_freed_memory"):
@@ -242,8 +258,12 @@ def main(spec: dict) -> None:
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
         admitted = admission() - admitted_before
         token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+        margins = (
+            [[top_two_gap(p) for p in out.outputs[0].logprobs] for out in outputs] if top else None
+        )
         return {
             "token_ids": token_ids,
+            "margins": margins,
             "spec_decode": asdict(counts),
             "admission": asdict(admitted),
             "acceptance_length": counts.acceptance_length if counts.drafts else None,

@@ -13,13 +13,7 @@ import json
 import os
 import sys
 
-from llm_probe import fixed_kv_cache_bytes  # beside this script
-
-
-def top_two_gap(position: dict) -> float:
-    """logprob of the most likely token minus the second's (by vLLM's ranks)."""
-    by_rank = {logprob.rank: logprob.logprob for logprob in position.values()}
-    return round(by_rank[1] - by_rank[2], 7)
+from llm_probe import fixed_kv_cache_bytes, top_two_gap  # beside this script
 
 
 def main(spec: dict) -> None:

@@ -9,7 +9,11 @@ no speculation, and do what they are for.
 - in bf16 the target runs FlashAttention 3, and every compacted step replays one of the
   plugin's FULL variable-length CUDA graphs (every batch of this test fits the largest
   captured size); its greedy outputs are compared with no speculation's in bf16, where
-  fixed-k DSpark itself differs on a few prompts: a garbled graph would derail nearly all;
+  batch-shape noise can flip near ties (the H200 run of 66818bd: 55 of 64 prompts
+  identical, fixed k=7 64). So each prompt that differs is classified by no speculation's
+  top-two logprob gap where it first differs: every divergence must sit at a near tie
+  (``BF16_TIE_GAP``); a garbled graph derails at any gap. The same budget arm with
+  PIECEWISE graphs only (compacted steps outside FULL graphs) is recorded beside it;
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's. Both run in bf16, the FP8 kernels'
@@ -22,14 +26,15 @@ separate engines and can run as two processes. Set DSPARK_RESULTS_DIR to also wr
 
 import pytest
 import torch
-from gpu_results import write_result
+from gpu_results import first_divergences, write_result
 from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 NUM_PROMPTS, MAX_TOKENS = 64, 128
 MIN_AGREEMENT, MAX_ACCEPTANCE_CHANGE = 0.995, 0.01
-MIN_BF16_IDENTICAL = 0.9  # share of prompts whose bf16 outputs equal no speculation's
+# bf16 logits of magnitude 16-32 are 1/8 apart; a few such steps of noise at most.
+BF16_TIE_GAP = 0.5
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,12 +52,21 @@ ARMS = {
         {"dspark_capacity": "budget", "dspark_budget_frac": 0.5, "dspark_varlen_verify": True},
         "bfloat16",
     ),
+    "capacity-bf16-piecewise": (
+        {"dspark_capacity": "budget", "dspark_budget_frac": 0.5, "dspark_varlen_verify": True},
+        "bfloat16",
+    ),
     # One engine prepared for every capacity arm (compaction, per-depth draft graphs, the
     # SPS profile), switched between them (vllm_dspark.engine_control).
     "capacity": (
         {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True},
         "float32",
     ),
+}
+# Probe keys beyond the prompts (tests/gpu/llm_probe.py).
+ARM_PROBE_KEYS = {
+    "nospec-bf16": {"margins": True},
+    "capacity-bf16-piecewise": {"cudagraph_mode": "PIECEWISE"},
 }
 CAPACITY_ARMS = {
     "budget": {"capacity": "budget", "budget_frac": 0.5},
@@ -134,6 +148,7 @@ class Arms(dict):
             return self["capacity"]["arms"][name]
         options, dtype = ARMS[name]
         spec = {"prompts": load_prompts(num_prompts=NUM_PROMPTS), "max_tokens": MAX_TOKENS}
+        spec |= ARM_PROBE_KEYS.get(name, {})
         if name == "capacity":
             spec["switch"] = [
                 [arm, {"varlen_verify": True, "dynamic_depth": False} | updates]
@@ -171,27 +186,41 @@ def test_capacity_modes_are_lossless(arms, mode):
 
 
 def test_bf16_compacted_steps_replay_full_graphs(arms):
-    nospec, fixed, capped = arms["nospec-bf16"], arms["dspark-bf16"], arms["capacity-bf16"]
-
-    def identical(arm: dict) -> int:
-        return sum(a == b for a, b in zip(arm["token_ids"], nospec["token_ids"], strict=True))
-
+    nospec = arms["nospec-bf16"]
+    reference = dict(enumerate(nospec["token_ids"]))
+    gaps = dict(enumerate(nospec["margins"]))
+    names = {"fixed_k7": "dspark-bf16", "budget": "capacity-bf16"}
+    names["budget_piecewise"] = "capacity-bf16-piecewise"
+    divergences = {
+        label: first_divergences(dict(enumerate(arms[name]["token_ids"])), reference, gaps)
+        for label, name in names.items()
+    }
+    capped = arms["capacity-bf16"]
     admission = capped["admission"]
     _record(
         "bf16_compact_graphs",
         {
             "options": ARMS["capacity-bf16"][0],
             "admission": admission,
-            "greedy_identical_prompts": {"fixed_k7": identical(fixed), "budget": identical(capped)},
+            "admission_piecewise": arms["capacity-bf16-piecewise"]["admission"],
             "prompts": NUM_PROMPTS,
+            "greedy_identical_prompts": {
+                label: NUM_PROMPTS - len(found) for label, found in divergences.items()
+            },
+            "divergences_beyond_ties": {
+                label: sum(d["gap"] >= BF16_TIE_GAP for d in found.values())
+                for label, found in divergences.items()
+            },
+            # {prompt: {"position", "gap"}}: where each differing prompt left the reference.
+            "divergences": divergences,
             "acceptance_length": {
-                "fixed_k7": fixed["acceptance_length"],
-                "budget": capped["acceptance_length"],
+                label: arms[name]["acceptance_length"] for label, name in names.items()
             },
         },
     )
     assert admission["steps"] > 0 and admission["graph_steps"] == admission["steps"]
-    assert identical(capped) >= MIN_BF16_IDENTICAL * NUM_PROMPTS
+    beyond = {p: d for p, d in divergences["budget"].items() if d["gap"] >= BF16_TIE_GAP}
+    assert not beyond, beyond
     assert capped["spec_decode"]["accepted_tokens"] > 0
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from gpu_options import EVERY_CAPACITY_OPTION
-from gpu_results import write_result
+from gpu_results import first_divergences, write_result
 from subprocess_probe import run_probe, without_dspark_plugin
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
@@ -74,13 +74,7 @@ def run(requests, options: dict | None, plugin: bool = True) -> dict:
 
 def summary(arm: dict, reference: dict) -> dict:
     finished = arm["finished"]
-    mismatched = [i for i in finished if finished[i] != reference["finished"][i]]
-    # Per mismatch: where the outputs first differ and how near a tie the reference was.
-    divergence = {}
-    for i in sorted(mismatched, key=int):
-        ours, theirs = finished[i], reference["finished"][i]
-        position = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
-        divergence[i] = {"position": position, "gap": reference["margins"][i][position]}
+    divergence = first_divergences(finished, reference["finished"], reference["margins"])
     real = [i for i, d in divergence.items() if d["gap"] >= TIE_GAP]
     leaked = arm["free_blocks_before"] - arm["free_blocks_after"]
     return {
@@ -88,10 +82,10 @@ def summary(arm: dict, reference: dict) -> dict:
         "aborted": len(arm["aborted"]),
         "preemptions": arm["preemptions"],
         "leaked_kv_blocks": leaked,
-        "greedy_mismatches": len(mismatched),
-        "mismatches_at_near_ties": len(mismatched) - len(real),
+        "greedy_mismatches": len(divergence),
+        "mismatches_at_near_ties": len(divergence) - len(real),
         "mismatches_beyond_ties": len(real),
-        "divergence": divergence,
+        "divergence": dict(sorted(divergence.items(), key=lambda item: int(item[0]))),
         "passes": not real and leaked == 0 and len(finished) + len(arm["aborted"]) == NUM_REQUESTS,
     }
 
