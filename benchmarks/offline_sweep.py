@@ -5,8 +5,8 @@
 
 Each arm runs in a fresh process (`LLM()`, greedy, EOS ignored). For each concurrency
 c it submits c prompts of --prompt-len tokens at once, --output-len tokens each, after
-a warm-up, and reports output tokens per second and the spec-decode counters of the
-run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived from
+a warm-up at that concurrency, and reports output tokens per second and the spec-decode
+counters of the run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived from
 ``--rates`` (per-position unconditional acceptance): ``--acceptance rates`` is vLLM's own
 (one fixed rate per position), ``--acceptance confidence`` draws per-draft confidences
 around the same conditional rates and accepts each draft with its confidence
@@ -163,6 +163,10 @@ def run_arm_here(spec: dict) -> None:
             switch_capacity(llm, **updates)
             llm.generate(prompts(8, 1), params, use_tqdm=False)
         for concurrency in spec["concurrency"]:
+            # A warm-up at this batch size first: a batch size not run before can compile
+            # kernels (Triton specialises on sizes), which the short runs at low concurrency
+            # would otherwise count.
+            llm.generate(prompts(concurrency, 50_000 + concurrency), params, use_tqdm=False)
             before = SpecDecodeCounts.from_metrics(llm.get_metrics())
             admitted_before = admission()
             start = time.perf_counter()

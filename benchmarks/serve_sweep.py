@@ -119,6 +119,9 @@ def run_arm(arm: dict, args) -> list[dict]:
         warm = make_prompts(4, args.prompt_len, args.vocab, seed=99)
         asyncio.run(drive(url, served, warm, 4, 8))
         for concurrency in args.concurrency:
+            # Warm up at this concurrency first (a new batch size can compile kernels).
+            warm = make_prompts(concurrency, args.prompt_len, args.vocab, seed=98)
+            asyncio.run(drive(url, served, warm, concurrency, 16))
             prompts = make_prompts(args.rounds * concurrency, args.prompt_len, args.vocab)
             before = read_counters(scrape_metrics(url))
             results, seconds = asyncio.run(
