@@ -13,9 +13,10 @@ DSpark arms use vLLM's synthetic acceptance (``rejection_sample_method: "synthet
 (``dspark_capacity: sps``, curve profiled at start-up, compact verification), on drafts
 accepted with their own synthetic confidence around the same profile; their steps verify
 any number of drafts (``verified_tokens_median``), and a proposal the draft gate skips
-counts with its context-KV work only. For each concurrency c (default 1, 64, 256) the
-arm runs c prompts of 128 tokens, 128 output tokens each, all submitted at once, once
-unrecorded (warm-up) and once recorded.
+counts with its context-KV work only. ``conf-k7`` is their like-for-like baseline: fixed
+k=7 on the same per-draft acceptance, whose own host work the sps arms also pay. For
+each concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
+tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
 
 Block size. vLLM 0.26.0 refuses ``num_speculative_tokens`` below the block only when
 the draft config has ``dspark_block_size`` (DeepSeek-V4 DSpark); Qwen3 DSpark configs
@@ -131,17 +132,20 @@ from offline_sweep import (  # noqa: E402
 from shapes import write_shape  # noqa: E402
 
 SHAPE = "qwen3-8b"
-# Arm name -> (number of speculative tokens (0: no speculation), capacity control). The
-# capacity arms run the plugin's sps mode (curve profiled at start-up) with compact
-# verification, each draft accepted with its own synthetic confidence drawn around the
-# same acceptance profile (offline_sweep's --acceptance confidence).
+# Arm name -> (number of speculative tokens (0: no speculation), acceptance). "rates":
+# vLLM's synthetic acceptance. "sps": the plugin's sps mode (curve profiled at start-up)
+# with compact verification, each draft accepted with its own synthetic confidence drawn
+# around the same acceptance profile (offline_sweep's --acceptance confidence).
+# "confidence": fixed k with that same acceptance and no capacity control, the sps arms'
+# like-for-like baseline (the per-draft acceptance has host work of its own).
 ARMS = {
-    "nospec": (0, False),
-    "dspark-k1": (1, False),
-    "dspark-k3": (3, False),
-    "dspark-k7": (7, False),
-    "sps-k3": (3, True),
-    "sps-k7": (7, True),
+    "nospec": (0, "rates"),
+    "dspark-k1": (1, "rates"),
+    "dspark-k3": (3, "rates"),
+    "dspark-k7": (7, "rates"),
+    "conf-k7": (7, "confidence"),
+    "sps-k3": (3, "sps"),
+    "sps-k7": (7, "sps"),
 }
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).
@@ -870,21 +874,22 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 # Arms and engines.
 
 
-def speculative_config(k: int, draft: str, rates: str, capacity: bool = False) -> dict | None:
+def speculative_config(k: int, draft: str, rates: str, acceptance: str = "rates") -> dict | None:
     """DSpark with k drafts and vLLM's synthetic acceptance (the first k rates); with
-    ``capacity``, the plugin's sps mode on drafts accepted with their own confidence."""
+    ``acceptance`` "confidence", drafts accepted with their own synthetic confidence
+    around the same rates; "sps", that and the plugin's sps mode."""
     if k == 0:
         return None
     values = [float(r) for r in rates.split(",")]
     if len(values) < k:
         raise ValueError(f"--rates has {len(values)} values; k={k} needs {k}")
     config = {"method": "dspark", "model": draft, "num_speculative_tokens": k}
-    if capacity:
-        return config | {
-            "dspark_capacity": "sps",
-            "dspark_varlen_verify": True,
-            "dspark_synthetic_confidence": conditional_rates(values[:k]),
-        }
+    if acceptance != "rates":
+        config["dspark_synthetic_confidence"] = conditional_rates(values[:k])
+    if acceptance == "sps":
+        config |= {"dspark_capacity": "sps", "dspark_varlen_verify": True}
+    if acceptance != "rates":
+        return config
     return config | {
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_rates": values[:k],
@@ -903,9 +908,7 @@ def run_arm_here(spec: dict) -> None:
     started = time.perf_counter()
     llm = LLM(
         **engine_kwargs(spec["target"], graphs_to=spec.get("graphs_to")),
-        speculative_config=speculative_config(
-            k, spec["draft"], spec["rates"], spec.get("capacity", False)
-        ),
+        speculative_config=speculative_config(k, spec["draft"], spec["rates"], spec["acceptance"]),
     )
     engine_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
@@ -926,7 +929,7 @@ def run_arm_here(spec: dict) -> None:
         data = llm.collective_rpc(fetch_records)[0]
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
         tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-        row = summarize(data, concurrency, k, spec.get("capacity", False))
+        row = summarize(data, concurrency, k, compacted=spec["acceptance"] == "sps")
         acceptance = counts.acceptance_length if counts.drafts else None
         step_ms = row["step_ms_median"]
         row |= {
@@ -1025,14 +1028,14 @@ def main() -> int:
         "shadow": {"steps": args.shadow_steps, "repeats": args.shadow_repeats},
     }
     for arm in arms:
-        k, capacity = ARMS[arm]
+        k, acceptance = ARMS[arm]
         # Each DSpark arm's draft is written with block_size = k (module docstring).
         draft = write_shape(SHAPE, root / f"block{k}", block=k)["draft"] if k else None
         spec = {
             "target": target,
             "draft": draft,
             "k": k,
-            "capacity": capacity,
+            "acceptance": acceptance,
             "graphs_to": args.graphs_to,
             "host_profile": args.host_profile,
             "rates": args.rates,

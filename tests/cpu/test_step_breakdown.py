@@ -327,10 +327,21 @@ def test_compacted_steps_count_with_any_admission_and_skipped_proposals_add_up()
 
 
 def test_capacity_arms_run_sps_on_drafts_with_their_own_confidence():
-    spec = sb.speculative_config(3, "d", DEFAULT_RATES, capacity=True)
+    spec = sb.speculative_config(3, "d", DEFAULT_RATES, acceptance="sps")
     assert spec["dspark_capacity"] == "sps" and spec["dspark_varlen_verify"] is True
     assert spec["dspark_synthetic_confidence"] == pytest.approx([0.8, 0.775, 0.774], abs=1e-3)
     assert "rejection_sample_method" not in spec
+    # Their baseline: the same acceptance at fixed k, no capacity control.
+    baseline = sb.speculative_config(3, "d", DEFAULT_RATES, acceptance="confidence")
+    assert baseline == {
+        "method": "dspark",
+        "model": "d",
+        "num_speculative_tokens": 3,
+        "dspark_synthetic_confidence": spec["dspark_synthetic_confidence"],
+    }
+    rates = sb.speculative_config(3, "d", DEFAULT_RATES)
+    assert rates["rejection_sample_method"] == "synthetic"
+    assert not any(key.startswith("dspark_") for key in rates)
 
 
 def test_a_step_missing_an_event_is_incomplete():
