@@ -144,23 +144,44 @@ def _make_candidates_wrapper(init_candidates):
 
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     """The stock uniform batch rewritten to its compact layout of R + budget tokens
-    (``from_graph``: the step replays a FULL graph, counted for the metrics)."""
+    (``from_graph``: the step replays a FULL graph, counted for the metrics). On a GPU one
+    Triton kernel writes it (:mod:`vllm_dspark.verify.compaction_kernel`); elsewhere the
+    PyTorch layout of :mod:`vllm_dspark.verify.compaction` does."""
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
     num_reqs = batch.num_reqs
     num_tokens = num_reqs + budget
     buffers = runner.input_buffers
     capacity = speculator.verify_capacity(batch.idx_mapping, budget)
-    layout = compact_layout(capacity, num_drafts, num_tokens)
-    uniform = num_reqs * (1 + num_drafts)
-    # Gathered first, then written back: source and destination overlap.
-    input_ids = buffers.input_ids[:uniform][layout.source]
-    positions = buffers.positions[:uniform][layout.source]
-    buffers.input_ids[:num_tokens].copy_(input_ids)
-    buffers.positions[:num_tokens].copy_(positions)
-    buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
-    buffers.query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
-    buffers.seq_lens[:num_reqs].copy_(compact_seq_lens(buffers.seq_lens[:num_reqs], layout))
+    if buffers.input_ids.is_cuda:
+        from vllm_dspark.verify.compaction_kernel import compact_on_device
+
+        expanded_idx, local_pos, logits_indices = compact_on_device(
+            capacity,
+            num_drafts,
+            num_tokens,
+            batch.idx_mapping,
+            buffers.input_ids,
+            buffers.positions,
+            buffers.query_start_loc,
+            buffers.seq_lens,
+            speculator.max_num_reqs,
+        )
+    else:
+        layout = compact_layout(capacity, num_drafts, num_tokens)
+        uniform = num_reqs * (1 + num_drafts)
+        # Gathered first, then written back: source and destination overlap.
+        input_ids = buffers.input_ids[:uniform][layout.source]
+        positions = buffers.positions[:uniform][layout.source]
+        buffers.input_ids[:num_tokens].copy_(input_ids)
+        buffers.positions[:num_tokens].copy_(positions)
+        buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
+        buffers.query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
+        seq_lens = buffers.seq_lens[:num_reqs]
+        seq_lens.copy_(compact_seq_lens(seq_lens, layout))
+        expanded_idx = batch.idx_mapping[layout.request]
+        local_pos = layout.offset.to(torch.int32)
+        logits_indices = torch.arange(num_tokens, device=layout.source.device)
     speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
     return dataclasses.replace(
         batch,
@@ -168,10 +189,10 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
         num_draft_tokens=budget,
         # Per-request counts live on the GPU now; the host keeps only upper bounds.
         num_draft_tokens_per_req=None,
-        expanded_idx_mapping=batch.idx_mapping[layout.request],
-        expanded_local_pos=layout.offset.to(torch.int32),
-        logits_indices=torch.arange(num_tokens, device=layout.source.device),
-        cu_num_logits=layout.query_start_loc,
+        expanded_idx_mapping=expanded_idx,
+        expanded_local_pos=local_pos,
+        logits_indices=logits_indices,
+        cu_num_logits=buffers.query_start_loc[: num_reqs + 1].clone(),
     )
 
 
