@@ -119,6 +119,14 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
             self._use_depth(self.num_speculative_steps)
         return options
 
+    def draft_graph_managers(self) -> dict:
+        """{depth: its draft graph manager}: one per depth with dynamic depth, else the
+        full depth's (none before graphs exist)."""
+        if self._depth_graphs:
+            return dict(self._depth_graphs)
+        graphs = self.query_cudagraph_manager
+        return {self.num_speculative_steps: graphs} if graphs else {}
+
     def _use_depth(self, depth: int) -> None:
         self.draft_depth = depth
         self.query_cudagraph_manager = self._depth_graphs[depth]

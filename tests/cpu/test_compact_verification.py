@@ -390,7 +390,7 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     speculator = SimpleNamespace(
         needs_sps_profile=True,
         set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
-        query_cudagraph_manager="draft graphs",
+        draft_graph_managers=lambda: {1: "depth-1 graphs", 7: "draft graphs"},
         set_draft_cost=draft_costs.append,
     )
     runner = SimpleNamespace(speculator=speculator, device="cpu")
@@ -398,13 +398,14 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     monkeypatch.setattr(
         sps_autoprofile,
         "time_draft_graphs",
-        lambda s: [(1, 0.5), (8, 1.0)] if s.query_cudagraph_manager else [],
+        lambda s, manager: [(1, 0.5), (8, 1.0)] if manager == "draft graphs" else [(1, 0.2)],
     )
     monkeypatch.setattr(sps_autoprofile, "slowest_rank", lambda rows: rows)
     capture = sps_autoprofile._make_wrapper(lambda runner: 123)
     assert capture(runner) == 123
     assert curves == [([[8, 250.0], [64, 125.0]], True)]
-    assert draft_costs == [[(1, 0.5), (8, 1.0)]]  # the draft graphs, timed the same way
+    # Each depth's draft graphs, timed the same way.
+    assert draft_costs == [{1: [(1, 0.2)], 7: [(1, 0.5), (8, 1.0)]}]
     assert not speculator.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
     table = sps_table_from_curve(curves[0][0], 64)

@@ -28,7 +28,9 @@ def test_draft_cost_table_interpolates_and_grows_past_the_largest_graph():
 
 def test_the_gate_closes_under_load_and_reopens_as_load_leaves():
     # Weight-bound at small batches (fixed 10 ms), compute-bound at large ones.
-    gate = DraftGate(sps_table(0.05, 10.0), draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX))
+    gate = DraftGate(
+        sps_table(0.05, 10.0), {K: draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)}
+    )
     survival = [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
     assert gate.decide(1, survival, K)  # one request: speculation pays
     on, off = gate.gains(1, survival, K)
@@ -41,8 +43,21 @@ def test_the_gate_closes_under_load_and_reopens_as_load_leaves():
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(1, [0.0] * K, K)
 
 
+def test_a_shallow_proposal_is_weighed_at_its_own_cost():
+    survival = [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
+    full = draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)
+    shallow = draft_seconds_table([(1, 0.5), (256, 2.0)], R_MAX)
+    gate = DraftGate(sps_table(0.05, 10.0), {1: shallow, K: full})
+    assert gate.proposal_seconds(256, 1) == pytest.approx(2e-3)
+    assert gate.proposal_seconds(256, 3) == pytest.approx(10e-3)  # computes more than 1
+    # At 256 requests, a full proposal does not pay, a one-position one does.
+    assert not DraftGate(gate.sps_table, {K: full}).decide(256, survival, K)
+    assert not gate.decide(256, survival, K)
+    assert gate.decide(256, survival, 1)
+
+
 def test_hysteresis_keeps_a_decision_near_the_break_even():
-    gate = DraftGate(sps_table(0.0, 10.0), torch.zeros(R_MAX + 1, dtype=torch.float64))
+    gate = DraftGate(sps_table(0.0, 10.0), {K: torch.zeros(R_MAX + 1, dtype=torch.float64)})
     # With free drafting and a flat target, drafting gains exactly the expected accepted.
     ratio = 1 + HYSTERESIS / 2  # inside the band either way
     survival = [ratio - 1] + [0.0] * (K - 1)
@@ -54,7 +69,9 @@ def test_hysteresis_keeps_a_decision_near_the_break_even():
 
 
 def test_a_closed_gate_probes_now_and_then_to_measure_survival_again():
-    gate = DraftGate(sps_table(0.05, 10.0), draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX))
+    gate = DraftGate(
+        sps_table(0.05, 10.0), {K: draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)}
+    )
     hopeless = [0.0] * K
     decisions = [gate.decide(1, hopeless, K) for _ in range(3 * PROBE_EVERY)]
     probes = [i for i, drafting in enumerate(decisions) if drafting]
@@ -92,7 +109,7 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
             config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
         )
     assert speculator.plan_proposal(16, K)  # no profiled draft cost: always draft
-    speculator.set_draft_cost([(1, 0.1), (16, 12.0)])  # drafting 16 requests: 12 ms
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
     assert speculator.plan_proposal(16, K)  # survivals not seen yet: optimistic
     for _ in range(2):  # proposals whose drafts are rarely accepted
         speculator.record_proposal(torch.full((16, K), 0.05))

@@ -87,7 +87,7 @@ def test_overhead_makes_sps_admit_what_a_bare_curve_refuses():
 def test_overhead_opens_the_draft_gate_on_a_host_bound_step():
     tokens = torch.arange(256 * 8 + 1, dtype=torch.float64)
     sps = 1000.0 / (0.1 + 0.01 * tokens)  # a tiny target: its forward is almost free
-    gate = DraftGate(sps, draft_seconds_table([(1, 0.3), (256, 1.0)], 256))
+    gate = DraftGate(sps, {7: draft_seconds_table([(1, 0.3), (256, 1.0)], 256)})
     survival = [0.7, 0.5, 0.35, 0.25, 0.17, 0.12, 0.08]
     # The curve alone: a 0.3 ms proposal against a 0.11 ms forward never pays.
     assert not gate.decide(1, survival, 7)

@@ -168,14 +168,18 @@ class CapacityControl:
         self._init_capacity(self.vllm_config, self.device)
         return options
 
-    def set_draft_cost(self, rows: list[tuple[int, float]]) -> None:
-        """[(requests, ms)] of one proposal, profiled at start-up: opens the draft gate."""
-        self.profiled_draft_ms = rows
-        if self.options.capacity != "sps" or self.sps_table is None or not rows:
+    def set_draft_cost(self, rows_by_depth: dict[int, list[tuple[int, float]]]) -> None:
+        """{depth: [(requests, ms)]} of one proposal, profiled at start-up per depth whose
+        graphs exist: opens the draft gate."""
+        self.profiled_draft_ms = rows_by_depth
+        tables = {
+            depth: draft_seconds_table(rows, self.max_num_reqs)
+            for depth, rows in rows_by_depth.items()
+            if rows
+        }
+        if self.options.capacity != "sps" or self.sps_table_host is None or not tables:
             return
-        self.draft_gate = DraftGate(
-            self.sps_table.double().cpu(), draft_seconds_table(rows, self.max_num_reqs)
-        )
+        self.draft_gate = DraftGate(self.sps_table_host, tables)
         # Recent mean prefix survival per position, for the gate (optimistic at first).
         self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
 
@@ -208,10 +212,11 @@ class CapacityControl:
         self.step_overhead.observe(tokens, forward, self._draft_seconds(num_reqs))
 
     def _draft_seconds(self, num_reqs: int) -> float:
-        """The profiled time of the last proposal (0 when skipped or not profiled)."""
+        """The profiled time of a proposal at the current depth (0 when the last one was
+        skipped or nothing was profiled)."""
         if self.draft_gate is None or not self.drafted_last:
             return 0.0
-        return float(self.draft_gate.draft_seconds[min(num_reqs, self.max_num_reqs)])
+        return self.draft_gate.proposal_seconds(min(num_reqs, self.max_num_reqs), self.draft_depth)
 
     def admission_budget(self, num_reqs: int) -> int:
         """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""

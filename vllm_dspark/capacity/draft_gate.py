@@ -5,8 +5,9 @@ SPS(T), but the drafter's own time is spent whatever it admits. Under load a spe
 step can cost more than it gains even with its best admission, and then the fastest
 choice is not to draft. Before each proposal, with R requests, the recent mean prefix
 survival per position s_1..s_K (:mod:`stale_record`) and the drafter's profiled time
-D(R) for one proposal, the expected tokens per second of drafting and verifying j
-positions per request is
+D(R) for one proposal at the depth it will compute (with dynamic depth each depth's
+graphs are timed: a shallow proposal costs far less than a full one), the expected tokens
+per second of drafting and verifying j positions per request is
 
     R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O),      j = 1..depth,
 
@@ -48,9 +49,17 @@ def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> tor
 @dataclass
 class DraftGate:
     sps_table: torch.Tensor  # steps per second at T tokens per step, T = 0..R_max (1 + K)
-    draft_seconds: torch.Tensor  # seconds per proposal at R requests
+    # {depth: seconds per proposal at R requests}, the depths whose graphs were timed
+    draft_seconds: dict[int, torch.Tensor]
     drafting: bool = True
     skipped_in_a_row: int = 0
+
+    def proposal_seconds(self, num_reqs: int, depth: int) -> float:
+        """D(R) of a proposal computing ``depth`` positions: the shallowest timed depth
+        that computes as many (the deepest if none does)."""
+        timed = sorted(self.draft_seconds)
+        chosen = next((d for d in timed if d >= depth), timed[-1])
+        return float(self.draft_seconds[chosen][num_reqs])
 
     def gains(
         self, num_reqs: int, mean_survival: list[float], depth: int, overhead_s: float = 0.0
@@ -59,7 +68,7 @@ class DraftGate:
         sps = self.sps_table
         without = num_reqs / (1.0 / float(sps[num_reqs]) + overhead_s)
         best, expected = 0.0, 1.0
-        fixed = float(self.draft_seconds[num_reqs]) + overhead_s
+        fixed = self.proposal_seconds(num_reqs, depth) + overhead_s
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
             step = 1.0 / float(sps[num_reqs * (1 + j)]) + fixed
