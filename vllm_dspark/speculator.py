@@ -183,6 +183,13 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
                 self.record_proposal(survival)
         return drafts
 
+    def _build_draft_attn_metadata(self, *args, **kwargs):
+        # A skipped proposal runs no draft attention: spare the host the metadata build
+        # (the next drafting proposal builds its own, FlashAttention's schedule included).
+        if self._skip_draft:
+            return None
+        return super()._build_draft_attn_metadata(*args, **kwargs)
+
     def _generate_draft(self, num_reqs: int, *args, **kwargs) -> None:
         if not self._skip_draft:
             return super()._generate_draft(num_reqs, *args, **kwargs)

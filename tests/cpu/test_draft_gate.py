@@ -130,6 +130,8 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
         survival=torch.ones(3, K),
         draft_logits=torch.zeros(6, K, 200),
     )
+    # No draft attention runs, so none is built for it.
+    assert DSparkPluginSpeculator._build_draft_attn_metadata(fake, 3, 4, 24) is None
     DSparkPluginSpeculator._generate_draft(fake, 3)
     assert fake.draft_tokens.tolist() == [[100] * K, [107] * K, [114] * K]
     assert (fake.survival == UNCOMPUTED_SURVIVAL).all()
