@@ -19,9 +19,9 @@ no speculation, and do what they are for.
   acceptance length within 1% of the bf16 head's. Both run in bf16, the FP8 kernels'
   only dtype.
 
-The float32 tests (``-k lossless``) and the bf16 ones (``-k "bf16 or fp8"``) start
-separate engines and can run as two processes. Set DSPARK_RESULTS_DIR to also write
-``pair_arms.json`` there.
+The float32 tests (``-k lossless``), the bf16 graph test (``-k compacted``) and the FP8
+ones (``-k fp8``) start separate engines and can run as three processes. Set
+DSPARK_RESULTS_DIR to also write ``pair_arms.json`` there.
 """
 
 import pytest

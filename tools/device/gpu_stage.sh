@@ -36,7 +36,7 @@
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
 #            fixed 2 GiB KV cache, so concurrent starts cannot disturb vLLM's memory
 #            profiling; the freed-memory test poisons 16 GiB): test_pair_arms_gpu (its
-#            float32 and bf16 halves), test_prefix_cache_gpu, test_freed_memory_gpu,
+#            float32, bf16-graph and FP8 thirds), test_prefix_cache_gpu, test_freed_memory_gpu,
 #            test_soak_gpu, test_draft_slots_gpu; one log, each JSON in its own folder
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
@@ -145,8 +145,8 @@ case "$stage" in
     vllm_env; use_recalibrated
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30)) DSPARK_PROBE_POISON_GIB=16
     # name:test file:-k expression; each writes its JSON under $OUT/name.
-    runs="arms32:pair_arms:lossless arms16:pair_arms:bf16_or_fp8 prefix:prefix_cache:
-      freed:freed_memory: soak:soak: slots:draft_slots:"
+    runs="arms32:pair_arms:lossless arms16:pair_arms:compacted fp8:pair_arms:fp8
+      prefix:prefix_cache: freed:freed_memory: soak:soak: slots:draft_slots:"
     for run in $runs; do
       IFS=: read -r name test expr <<< "$run"; mkdir -p "$OUT/$name"
       # Own compile caches: concurrent writers of one cache entry could read it half-written.
