@@ -102,8 +102,8 @@ class DSparkOptions(BaseModel):
         "auto", json_schema_extra=_valid('"auto" or a number of milliseconds >= 0')
     )
     """Time per target step that the SPS curve leaves out (scheduling, input preparation,
-    sampling, output handling), for ``capacity=sps``: ``auto`` measures it while serving;
-    a number fixes it (0: the curve alone)."""
+    sampling, output handling), for ``capacity=sps``: ``auto`` fits it while serving, per
+    step and per verified draft; a number fixes the per-step part (0: the curve alone)."""
 
     confidence_temperature: list[StrictFloat] | None = Field(
         None,

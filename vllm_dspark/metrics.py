@@ -91,6 +91,9 @@ class AdmissionCounts:
     depth_changes: int = 0  # dspark_dynamic_depth's changes of depth
     proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
     fingerprint: int = 0  # hash of every compacted step's admissions (ranks must agree)
+    # sps: the step's time outside the SPS curve now (gauges, capacity/step_overhead.py)
+    step_overhead_ms: float = 0.0
+    per_draft_overhead_us: float = 0.0
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -103,6 +106,8 @@ class AdmissionCounts:
             self.depth_changes - other.depth_changes,
             self.proposals_skipped - other.proposals_skipped,
             self.fingerprint,
+            self.step_overhead_ms,
+            self.per_draft_overhead_us,
         )
 
     @property
@@ -124,6 +129,16 @@ def _worker_admission(worker) -> dict:
         "depth_changes": getattr(getattr(speculator, "physical_depth", None), "changes", 0),
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
         "fingerprint": getattr(speculator, "admission_fingerprint", 0),
+        **_overhead(getattr(speculator, "step_overhead", None)),
+    }
+
+
+def _overhead(step_overhead) -> dict:
+    if step_overhead is None:
+        return {}
+    return {
+        "step_overhead_ms": round(step_overhead.seconds * 1e3, 4),
+        "per_draft_overhead_us": round(step_overhead.per_draft_seconds * 1e6, 3),
     }
 
 

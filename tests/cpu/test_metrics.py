@@ -38,3 +38,18 @@ def test_admitted_per_request_counts_compacted_steps_only():
     assert (after - before).admitted_per_request == 10 / 4  # 4 request-steps, 10 drafts
     assert (after - before).steps == 2
     assert AdmissionCounts(num_drafts=7).admitted_per_request == 7.0  # nothing compacted
+
+
+def test_sps_reports_the_step_overhead_it_plans_with():
+    import torch
+
+    from vllm_dspark.capacity.step_overhead import StepOverhead
+    from vllm_dspark.metrics import AdmissionCounts, _overhead
+
+    overhead = StepOverhead(torch.device("cpu"), fixed_seconds=0.0025)
+    overhead.per_draft_seconds = 1.5e-5
+    gauges = _overhead(overhead)
+    assert gauges == {"step_overhead_ms": 2.5, "per_draft_overhead_us": 15.0}
+    counts = AdmissionCounts(num_drafts=7, **gauges)
+    assert (counts - AdmissionCounts(num_drafts=7)).step_overhead_ms == 2.5  # a gauge
+    assert _overhead(None) == {}

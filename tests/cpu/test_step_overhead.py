@@ -1,11 +1,12 @@
 """The step's time outside the SPS curve, and what it changes in sps and the draft gate."""
 
+import numpy as np
 import pytest
 import torch
 
 from vllm_dspark.capacity.allocation import sps_best_count, sps_table_from_curve
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
-from vllm_dspark.capacity.step_overhead import WINDOW, StepOverhead
+from vllm_dspark.capacity.step_overhead import WINDOW, StepOverhead, fit_overhead
 
 CPU = torch.device("cpu")
 
@@ -24,7 +25,7 @@ def run_steps(overhead: StepOverhead, clock: FakeClock, periods_ms, forward_ms, 
         overhead.observe(64, forward_ms / 1000.0, draft_ms / 1000.0)
 
 
-def test_the_estimate_is_the_median_rest_of_the_period_a_window_late():
+def test_the_estimate_is_the_rest_of_the_period_a_window_late():
     clock = FakeClock()
     overhead = StepOverhead(CPU, clock=clock)
     overhead.observe(64, 0.003, 0.001)  # the first proposal only starts the clock
@@ -32,9 +33,35 @@ def test_the_estimate_is_the_median_rest_of_the_period_a_window_late():
     run_steps(overhead, clock, [5.0] * (WINDOW - 1) + [50.0], 3.0, 1.0)
     assert overhead.seconds == 0.0  # the first window's value is still on its way
     run_steps(overhead, clock, [7.0] * WINDOW, 3.0, 1.0)
-    assert overhead.seconds == pytest.approx(1e-3)  # median: the outlier does not count
+    assert overhead.seconds == pytest.approx(1e-3)  # the outlier does not count
+    assert overhead.per_draft_seconds == 0.0  # the drafts never varied
     run_steps(overhead, clock, [7.0] * WINDOW, 3.0, 1.0)
     assert overhead.seconds == pytest.approx(3e-3)
+
+
+def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
+    # 1 ms per step and 10 us per verified draft, over admissions of 0 to 620 drafts.
+    drafts = np.arange(WINDOW, dtype=np.float64) * 20
+    fixed, per_draft = fit_overhead(drafts, 1e-3 + 1e-5 * drafts)
+    assert fixed == pytest.approx(1e-3, rel=1e-3)
+    assert per_draft == pytest.approx(1e-5, rel=1e-3)
+    # An outlier (a pause between steps) does not move it; nor can either go negative.
+    residuals = 1e-3 + 1e-5 * drafts
+    residuals[5] = 0.5
+    assert fit_overhead(drafts, residuals) == pytest.approx((1e-3, 1e-5), rel=1e-3)
+    assert fit_overhead(drafts, 5e-3 - 1e-5 * drafts)[1] == 0.0
+
+
+def test_the_measurement_follows_the_admission():
+    clock = FakeClock()
+    overhead = StepOverhead(CPU, clock=clock)
+    overhead.observe(0, 0.0, 0.0)
+    for step in range(2 * WINDOW):
+        drafts = step % 8 * 16
+        clock.now += 0.004 + 0.001 + 2e-5 * drafts  # forward 4 ms, the rest 1 ms + 20 us/draft
+        overhead.observe(drafts, 0.004, 0.0)
+    assert overhead.seconds == pytest.approx(1e-3, rel=1e-3)  # the ridge biases a little
+    assert overhead.per_draft_seconds == pytest.approx(2e-5, rel=1e-3)
 
 
 def test_steps_the_curve_does_not_describe_are_left_out():
@@ -57,7 +84,7 @@ def test_ranks_with_different_clocks_plan_with_the_same_value():
     # Rank 0 measures 0.5 s, rank 1 0.75 s (binary fractions: exact); the device reduction
     # (faked: each rank's collective sees the other's value) gives both the larger.
     def reduce_with(other_s):
-        return lambda tensor: tensor.clamp_(min=other_s)
+        return lambda tensor: tensor[0].clamp_(min=other_s)
 
     clocks = [FakeClock(), FakeClock()]
     ranks = [
@@ -93,3 +120,17 @@ def test_overhead_opens_the_draft_gate_on_a_host_bound_step():
     assert not gate.decide(1, survival, 7)
     # A step that really takes 2.8 ms (2.7 ms outside the forward): drafting pays.
     assert gate.decide(1, survival, 7, overhead_s=0.0027)
+    # ...unless each verified draft costs more host time than its expected token returns.
+    assert not DraftGate(sps, gate.draft_seconds).decide(
+        1, survival, 7, overhead_s=0.0027, per_draft_s=0.004
+    )
+
+
+def test_per_draft_time_limits_what_sps_admits():
+    survival = torch.tensor([0.95, 0.6, 0.3, 0.1]).repeat(4, 1)
+    flat = sps_table_from_curve([(1, 1000.0), (64, 1000.0)], 20)
+    # A flat curve and 4 ms per step: every draft pays.
+    assert sps_best_count(survival, flat, fixed_seconds=0.004).item() == 16
+    # At 1 ms per verified draft only the likeliest do: about survival > step / (R + E).
+    capped = sps_best_count(survival, flat, 0.004, per_draft_seconds=0.001).item()
+    assert capped == 4

@@ -121,18 +121,22 @@ def threshold_count(survival: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def sps_best_count(
-    survival: torch.Tensor, sps_table: torch.Tensor, fixed_seconds: float = 0.0
+    survival: torch.Tensor,
+    sps_table: torch.Tensor,
+    fixed_seconds: float = 0.0,
+    per_draft_seconds: float = 0.0,
 ) -> torch.Tensor:
     """The admission count n in 0..R*K maximising (R + sum of the n best survivals) /
-    (1 / SPS(R + n) + ``fixed_seconds``): the budget ``sps`` asks for, with the step's
-    time outside the curve's forward (:mod:`step_overhead`). ``sps_table[T]`` covers T up
-    to R * (1 + K). [..., R, K] -> [...] int64."""
+    (1 / SPS(R + n) + ``fixed_seconds`` + n ``per_draft_seconds``): the budget ``sps``
+    asks for, with the step's time outside the curve's forward (:mod:`step_overhead`).
+    ``sps_table[T]`` covers T up to R * (1 + K). [..., R, K] -> [...] int64."""
     num_reqs = survival.shape[-2]
     ordered = survival.flatten(-2).sort(dim=-1, descending=True).values
     zero = ordered.new_zeros(ordered.shape[:-1] + (1,))
     expected = num_reqs + torch.cat([zero, torch.cumsum(ordered, dim=-1)], dim=-1)
     counts = torch.arange(expected.shape[-1], device=survival.device)
     step_seconds = sps_table[num_reqs + counts].reciprocal() + fixed_seconds
+    step_seconds = step_seconds + per_draft_seconds * counts
     return (expected / step_seconds).argmax(dim=-1)
 
 

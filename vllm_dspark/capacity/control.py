@@ -187,8 +187,13 @@ class CapacityControl:
         """Whether the coming proposal drafts (always, unless the draft gate closes)."""
         if self.draft_gate is None:
             return True
+        overhead = self.step_overhead
         drafting = self.draft_gate.decide(
-            num_reqs, self.stale_survival.per_request(), depth, self.step_overhead.seconds
+            num_reqs,
+            self.stale_survival.per_request(),
+            depth,
+            overhead.seconds,
+            overhead.per_draft_seconds,
         )
         self.proposals_skipped += not drafting
         return drafting
@@ -206,10 +211,13 @@ class CapacityControl:
         if self.step_overhead is None or self.sps_table_host is None:
             return
         tokens, self.step_tokens = self.step_tokens, None
-        if tokens is not None and tokens >= len(self.sps_table_host):
-            tokens = None  # beyond the table: outside what the curve describes
-        forward = 1.0 / float(self.sps_table_host[tokens]) if tokens is not None else 0.0
-        self.step_overhead.observe(tokens, forward, self._draft_seconds(num_reqs))
+        if tokens is None or tokens >= len(self.sps_table_host):
+            # Not a decode step, or beyond the table: outside what the curve describes.
+            self.step_overhead.observe(None, 0.0, 0.0)
+            return
+        forward = 1.0 / float(self.sps_table_host[tokens])
+        drafts = tokens - num_reqs
+        self.step_overhead.observe(drafts, forward, self._draft_seconds(num_reqs))
 
     def _draft_seconds(self, num_reqs: int) -> float:
         """The profiled time of a proposal at the current depth (0 when the last one was
@@ -307,9 +315,10 @@ class CapacityControl:
         if self.options.capacity == "threshold":
             wanted = threshold_count(survival, self.options.confidence_threshold)
         else:
-            # The next step's time beyond its forward: O, and the proposal it makes.
-            fixed = self.step_overhead.seconds + self._draft_seconds(survival.shape[0])
-            wanted = sps_best_count(survival, self.sps_table, fixed)
+            # The next step's time beyond its forward: O, the proposal it makes, b per draft.
+            overhead = self.step_overhead
+            fixed = overhead.seconds + self._draft_seconds(survival.shape[0])
+            wanted = sps_best_count(survival, self.sps_table, fixed, overhead.per_draft_seconds)
         self.stale_budget.record(wanted, survival.shape[0])
 
     def set_attn(

@@ -9,18 +9,18 @@ D(R) for one proposal at the depth it will compute (with dynamic depth each dept
 graphs are timed: a shallow proposal costs far less than a full one), the expected tokens
 per second of drafting and verifying j positions per request is
 
-    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O),      j = 1..depth,
+    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j),      j = 1..depth,
 
-against R / (1 / SPS(R) + O) without drafting, O being the step's time outside the
-curve (:mod:`step_overhead`). The gate drafts when the best j wins, with a 2%
-hysteresis either way so that noise does not flip it every step. A skipped proposal still
-lets the drafter store its context K/V (later proposals need it) and verifies no draft:
-the next step's budget is 0 and vLLM runs R tokens, as without speculation. While the gate
-is closed the survival statistics keep their last values, so it reopens as load leaves
-(smaller R); and every ``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so
-that survivals which were low when it closed (or the first steps' guesses) are measured
-again rather than kept for good. Host arithmetic on values every rank reads alike: every
-tensor-parallel rank decides the same.
+against R / (1 / SPS(R) + O) without drafting, O and b being the step's time outside the
+curve, per step and per verified draft (:mod:`step_overhead`). The gate drafts when the
+best j wins, with a 2% hysteresis either way so that noise does not flip it every step. A
+skipped proposal still lets the drafter store its context K/V (later proposals need it)
+and verifies no draft: the next step's budget is 0 and vLLM runs R tokens, as without
+speculation. While the gate is closed the survival statistics keep their last values, so
+it reopens as load leaves (smaller R); and every ``PROBE_EVERY`` skipped proposals in a
+row it drafts one anyway, so that survivals which were low when it closed (or the first
+steps' guesses) are measured again rather than kept for good. Host arithmetic on values
+every rank reads alike: every tensor-parallel rank decides the same.
 """
 
 from __future__ import annotations
@@ -62,7 +62,12 @@ class DraftGate:
         return float(self.draft_seconds[chosen][num_reqs])
 
     def gains(
-        self, num_reqs: int, mean_survival: list[float], depth: int, overhead_s: float = 0.0
+        self,
+        num_reqs: int,
+        mean_survival: list[float],
+        depth: int,
+        overhead_s: float = 0.0,
+        per_draft_s: float = 0.0,
     ) -> tuple[float, float]:
         """(best expected tokens/s with drafting, tokens/s without)."""
         sps = self.sps_table
@@ -71,17 +76,22 @@ class DraftGate:
         fixed = self.proposal_seconds(num_reqs, depth) + overhead_s
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
-            step = 1.0 / float(sps[num_reqs * (1 + j)]) + fixed
+            step = 1.0 / float(sps[num_reqs * (1 + j)]) + fixed + per_draft_s * num_reqs * j
             best = max(best, num_reqs * expected / step)
         return best, without
 
     def decide(
-        self, num_reqs: int, mean_survival: list[float], depth: int, overhead_s: float = 0.0
+        self,
+        num_reqs: int,
+        mean_survival: list[float],
+        depth: int,
+        overhead_s: float = 0.0,
+        per_draft_s: float = 0.0,
     ) -> bool:
         """Whether the coming proposal drafts."""
         if num_reqs == 0:
             return self.drafting
-        best, without = self.gains(num_reqs, mean_survival, depth, overhead_s)
+        best, without = self.gains(num_reqs, mean_survival, depth, overhead_s, per_draft_s)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
         if self.drafting:
