@@ -134,3 +134,28 @@ def test_per_draft_time_limits_what_sps_admits():
     # At 1 ms per verified draft only the likeliest do: about survival > step / (R + E).
     capped = sps_best_count(survival, flat, 0.004, per_draft_seconds=0.001).item()
     assert capped == 4
+
+
+def test_sps_varies_a_saturated_admission_now_and_then(engine_config, model_dirs):
+    from test_compact_verification import K, build_speculator
+
+    from vllm_dspark.capacity.control import EXPLORE_EVERY
+
+    curve = [[1, 200.0], [512, 50.0]]
+    measuring = build_speculator(
+        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
+    )
+    budgets = [measuring.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)]
+    half = [i for i, budget in enumerate(budgets) if budget != 16 * K]
+    assert half == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert budgets[EXPLORE_EVERY - 1] == 16 * K // 2
+    # With the overhead given, nothing is measured and nothing varied.
+    given = build_speculator(
+        engine_config,
+        model_dirs,
+        dspark_capacity="sps",
+        dspark_sps_curve=curve,
+        dspark_step_overhead_ms=1.5,
+    )
+    assert {given.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)} == {16 * K}
+    assert given.step_overhead.seconds == 0.0015

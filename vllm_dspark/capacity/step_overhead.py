@@ -21,7 +21,8 @@ GPU or the host is the bottleneck; less the curve's forward for the tokens it ve
 D(R) when a proposal was drafted, that is one sample of O + b n. Every window of samples
 is fitted by least squares (samples far above the median, a pause or a prefill step
 in between, left out; a small ridge keeps b at 0 where n never varied), both clamped at
-0. The host clock differs between tensor-parallel ranks, so each window's (O, b) is
+0 (capacity control varies a saturated admission now and then so that b can be told
+apart from O). The host clock differs between tensor-parallel ranks, so each window's (O, b) is
 reduced to the largest over ranks on the device and read one window later (its copy long
 done): every rank plans with the same values, as the admission must be identical on
 every rank.
@@ -63,7 +64,7 @@ class StepOverhead:
         max over tensor-parallel ranks of a device tensor (None: one rank)."""
         self.seconds = fixed_seconds or 0.0  # O
         self.per_draft_seconds = 0.0  # b
-        self._measuring = fixed_seconds is None
+        self.measuring = fixed_seconds is None
         self._reduce_max = reduce_max
         self._clock = clock
         self._samples: list[tuple[int, float]] = []
@@ -78,7 +79,7 @@ class StepOverhead:
         """At a real proposal: the step that just ran verified ``verified_drafts`` drafts
         (None: not a decode step the curve describes), its forward on the curve took
         ``forward_s`` and the proposal before it ``draft_s`` (0 when skipped)."""
-        if not self._measuring:
+        if not self.measuring:
             return
         now = self._clock()
         last, self._last_time = self._last_time, now
