@@ -147,6 +147,7 @@ def run_arm_here(spec: dict) -> None:
         speculative_config=speculative,
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
+    warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def prompts(count: int, offset: int):
         return sweep_prompts(count, offset, spec["prompt_len"])
@@ -163,10 +164,10 @@ def run_arm_here(spec: dict) -> None:
             switch_capacity(llm, **updates)
             llm.generate(prompts(8, 1), params, use_tqdm=False)
         for concurrency in spec["concurrency"]:
-            # A warm-up at this batch size first: a batch size not run before can compile
-            # kernels (Triton specialises on sizes), which the short runs at low concurrency
-            # would otherwise count.
-            llm.generate(prompts(concurrency, 50_000 + concurrency), params, use_tqdm=False)
+            # A short warm-up at this batch size first: a batch size not run before can
+            # compile kernels (Triton specialises on sizes), which the short runs at low
+            # concurrency would otherwise count.
+            llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
             before = SpecDecodeCounts.from_metrics(llm.get_metrics())
             admitted_before = admission()
             start = time.perf_counter()
