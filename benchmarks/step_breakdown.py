@@ -9,8 +9,9 @@ The Qwen3-8B shape with dummy weights (``benchmarks/shapes.py``), one engine per
 its own process (as ``offline_sweep.py``: the same engine arguments, greedy, EOS ignored).
 DSpark arms use vLLM's synthetic acceptance (``rejection_sample_method: "synthetic"``,
 ``synthetic_acceptance_rates`` = ``offline_sweep.DEFAULT_RATES`` truncated to k). The
-``sps-k3`` / ``sps-k7`` arms run the plugin's answer to the fixed cost, capacity control
-(``dspark_capacity: sps``, curve profiled at start-up, compact verification), on drafts
+``sps-k1`` / ``sps-k3`` / ``sps-k7`` arms run the plugin's answer to the fixed cost,
+capacity control (``dspark_capacity: sps``, curve profiled at start-up, compact
+verification), on drafts
 accepted with their own synthetic confidence around the same profile; their steps verify
 any number of drafts (``verified_tokens_median``), and a proposal the draft gate skips
 counts with its context-KV work only. ``conf-k7`` is their like-for-like baseline: fixed
@@ -144,6 +145,7 @@ ARMS = {
     "dspark-k3": (3, "rates"),
     "dspark-k7": (7, "rates"),
     "conf-k7": (7, "confidence"),
+    "sps-k1": (1, "sps"),
     "sps-k3": (3, "sps"),
     "sps-k7": (7, "sps"),
 }
