@@ -11,13 +11,13 @@ DSpark arms use vLLM's synthetic acceptance (``rejection_sample_method: "synthet
 ``synthetic_acceptance_rates`` = ``offline_sweep.DEFAULT_RATES`` truncated to k). The
 ``sps-k1`` / ``sps-k3`` / ``sps-k7`` arms run the plugin's answer to the fixed cost,
 capacity control (``dspark_capacity: sps``, curve profiled at start-up, compact
-verification), on drafts
-accepted with their own synthetic confidence around the same profile; their steps verify
-any number of drafts (``verified_tokens_median``), and a proposal the draft gate skips
-counts with its context-KV work only. ``conf-k7`` is their like-for-like baseline: fixed
-k=7 on the same per-draft acceptance, whose own host work the sps arms also pay. For
-each concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
-tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
+verification), on drafts accepted with their own synthetic confidence around the same
+profile; their steps verify any number of drafts (``verified_tokens_median``), and a
+proposal the draft gate skips counts with its context-KV work only. ``conf-k7`` is their
+like-for-like baseline: fixed k=7 on the same per-draft acceptance, whose own host work
+the sps arms also pay. For each concurrency c (default 1, 64, 256) the arm runs c prompts
+of 128 tokens, 128 output tokens each, all submitted at once, once unrecorded (warm-up)
+and once recorded.
 
 Block size. vLLM 0.26.0 refuses ``num_speculative_tokens`` below the block only when
 the draft config has ``dspark_block_size`` (DeepSeek-V4 DSpark); Qwen3 DSpark configs
