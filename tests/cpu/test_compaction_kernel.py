@@ -1,44 +1,18 @@
-"""The compaction kernel writes what the PyTorch compact layout says (Triton interpreter).
-
-As in ``test_fp8_head.py``, the interpreter must be on before ``triton`` is first imported,
-so the ``interpreted`` tests run in a ``TRITON_INTERPRET=1`` pytest subprocess started by
-``test_kernel_under_triton_interpreter`` and are skipped in the parent run.
-"""
-
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
+"""The compaction kernel writes what the PyTorch compact layout says (Triton's interpreter,
+:mod:`triton_interpreter`)."""
 
 import pytest
 import torch
+from triton_interpreter import interpreted, run_interpreted
 
 from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="run by test_kernel_under_triton_interpreter in a subprocess"
-)
 K, MAX_NUM_REQS = 7, 24
 NUM_REQS = [1, 2, 5, 16, 23, MAX_NUM_REQS]
 
 
 def test_kernel_under_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        command + ["-k", "interpreted"], env=env, cwd=repo, capture_output=True, text=True
-    )
-    report = done.stdout[-8000:] + done.stderr[-2000:]
-    assert done.returncode == 0, report
-    passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) == 6 and " skipped" not in done.stdout, report
+    assert run_interpreted(__file__) == len(NUM_REQS)
 
 
 def uniform_buffers(num_reqs: int, generator: torch.Generator) -> dict:
@@ -66,7 +40,7 @@ def test_interpreted_kernel_matches_the_pytorch_layout(num_reqs):
 
 
 def check_kernel_against_layout(num_reqs: int, device: torch.device) -> None:
-    """Also run on a GPU by tests/gpu/test_compaction_kernel_gpu.py."""
+    """Also run on a GPU by tests/gpu/test_capacity_kernels_gpu.py."""
     from vllm_dspark.verify.compaction_kernel import compact_on_device
 
     generator = torch.Generator().manual_seed(num_reqs)

@@ -11,15 +11,10 @@ what is tested is the kernels' own indexing, masking, scaling and reductions. Ti
 register use and speed are GPU-only.
 """
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from triton_interpreter import interpreted, run_interpreted
 
 from vllm_dspark.head.fp8_rowwise import (
     E4M3_MAX,
@@ -31,11 +26,6 @@ from vllm_dspark.head.fp8_rowwise import (
     quantize_rows,
     reference_argmax,
     reference_logits,
-)
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="run by test_kernels_under_triton_interpreter in a subprocess"
 )
 
 
@@ -279,20 +269,7 @@ def test_launchers_validate_inputs_and_accept_zero_rows():
 
 
 def test_kernels_under_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        command + ["-k", "interpreted"], env=env, cwd=repo, capture_output=True, text=True
-    )
-    report = done.stdout[-8000:] + done.stderr[-2000:]
-    assert done.returncode == 0, report
-    passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 40 and " skipped" not in done.stdout, report
+    assert run_interpreted(__file__) >= 40
 
 
 @pytest.fixture

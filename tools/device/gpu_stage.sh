@@ -2,7 +2,7 @@
 # One stage of the project's GPU work on the device machine, results under $OUT.
 #   bash tools/device/gpu_stage.sh STAGE [COMMIT]
 # Stages:
-#   kernels  FP8 head and compaction kernel tests + FP8 head benchmark (no vLLM needed)
+#   kernels  FP8 head and capacity kernel tests + FP8 head benchmark (no vLLM needed)
 #   recal    recalibrate the embedded pair's confidence head (tools/train_tiny_pair.py
 #            --from-export; no vLLM needed) into /tmp/recal_pair, packed into $OUT; later
 #            stages on the same machine run on it; plus the FP8 head's agreement on the
@@ -59,7 +59,7 @@ use_recalibrated() {
 quiet() { grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" ; }
 case "$stage" in
   kernels)
-    PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_compaction_kernel_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
+    PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_capacity_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
     PYTHONPATH=. timeout 200 python3 benchmarks/bench_fp8_draft_head.py --out "$OUT/fp8_head.json" 2>&1 | tail -30
     ;;
   recal)

@@ -31,6 +31,12 @@ from vllm_dspark.capacity.allocation import (
 )
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
+from vllm_dspark.capacity.proposal_kernel import (
+    POSITION_SUMS,
+    SPS_COUNT,
+    THRESHOLD_COUNT,
+    proposal_stats,
+)
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
@@ -329,19 +335,40 @@ class CapacityControl:
         self.stale_accepted.record((num_accepted * verified).sum(), verified.sum())
 
     def record_proposal(self, survival: torch.Tensor) -> None:
-        """After a real proposal: how many of its drafts threshold / sps want verified."""
-        if self.draft_gate is not None:
-            self.stale_survival.record(survival.clamp(min=0).sum(dim=0), survival.shape[0])
-        if self.stale_budget is None:
+        """After a real proposal: how many of its drafts threshold / sps want verified,
+        and the survivals the draft gate reads. On a GPU one kernel computes both
+        (:mod:`vllm_dspark.capacity.proposal_kernel`)."""
+        if self.draft_gate is None and self.stale_budget is None:
             return
-        if self.options.capacity == "threshold":
-            wanted = threshold_count(survival, self.options.confidence_threshold)
-        else:
+        num_reqs = survival.shape[0]
+        sps = self.options.capacity == "sps"
+        threshold = self.options.confidence_threshold
+        fixed = per_draft = 0.0
+        if sps:
             # The next step's time beyond its forward: O, the proposal it makes, b per draft.
             overhead = self.step_overhead
-            fixed = overhead.seconds + self._draft_seconds(survival.shape[0])
-            wanted = sps_best_count(survival, self.sps_table, fixed, overhead.per_draft_seconds)
-        self.stale_budget.record(wanted, survival.shape[0])
+            fixed = overhead.seconds + self._draft_seconds(num_reqs)
+            per_draft = overhead.per_draft_seconds
+        if survival.is_cuda:
+            stats = proposal_stats(
+                survival,
+                self.sps_table if sps else None,
+                fixed,
+                per_draft,
+                threshold,
+                self.max_num_reqs,
+            )
+            sums, wanted = stats[POSITION_SUMS:], stats[SPS_COUNT if sps else THRESHOLD_COUNT]
+        else:
+            sums = survival.clamp(min=0).sum(dim=0)
+            if sps:
+                wanted = sps_best_count(survival, self.sps_table, fixed, per_draft)
+            else:
+                wanted = threshold_count(survival, threshold)
+        if self.draft_gate is not None:
+            self.stale_survival.record(sums, num_reqs)
+        if self.stale_budget is not None:
+            self.stale_budget.record(wanted, num_reqs)
 
     def set_attn(
         self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups

@@ -1,0 +1,70 @@
+"""The proposal-statistics kernel computes what the PyTorch definitions say (Triton's
+interpreter, :mod:`triton_interpreter`; on a GPU, tests/gpu/test_capacity_kernels_gpu.py)."""
+
+import pytest
+import torch
+from triton_interpreter import interpreted, run_interpreted
+
+from vllm_dspark.capacity.allocation import (
+    UNCOMPUTED_SURVIVAL,
+    prefix_survival,
+    sps_best_count,
+    sps_table_from_curve,
+    threshold_count,
+)
+
+K, MAX_NUM_REQS = 7, 24
+CASES = [(1, 0.0, 0.0), (3, 0.002, 0.0), (16, 0.001, 2e-5), (24, 0.0, 0.0), (24, 0.004, 1e-4)]
+
+
+def test_kernel_under_triton_interpreter():
+    assert run_interpreted(__file__) == len(CASES) + 1
+
+
+def survivals(num_reqs: int, generator: torch.Generator) -> torch.Tensor:
+    """Prefix survivals of random confidences, some positions uncomputed (dynamic depth),
+    in the first rows of a larger buffer (as the speculator keeps them)."""
+    buffer = torch.full((MAX_NUM_REQS, K), 7.0)
+    logits = torch.randn(num_reqs, K, generator=generator) * 2 + 1
+    survival = prefix_survival(logits, torch.ones(K))
+    survival[: num_reqs // 3, 5:] = UNCOMPUTED_SURVIVAL
+    buffer[:num_reqs] = survival
+    return buffer[:num_reqs]
+
+
+def check_kernel_against_definitions(case, device: torch.device) -> None:
+    """Also run on a GPU by tests/gpu/test_capacity_kernels_gpu.py."""
+    from vllm_dspark.capacity.proposal_kernel import (
+        POSITION_SUMS,
+        SPS_COUNT,
+        THRESHOLD_COUNT,
+        proposal_stats,
+    )
+
+    num_reqs, fixed, per_draft = case
+    survival = survivals(num_reqs, torch.Generator().manual_seed(num_reqs))
+    curve = [(1, 250.0), (16, 240.0), (64, 200.0), (200, 90.0)]
+    table = sps_table_from_curve(curve, MAX_NUM_REQS * (1 + K))
+    stats = proposal_stats(
+        survival.to(device), table.to(device), fixed, per_draft, 0.4, MAX_NUM_REQS
+    ).cpu()
+    assert stats[SPS_COUNT] == sps_best_count(survival, table, fixed, per_draft)
+    assert stats[THRESHOLD_COUNT] == threshold_count(survival, 0.4)
+    sums = survival.clamp(min=0).sum(dim=0)
+    assert torch.allclose(stats[POSITION_SUMS:], sums, rtol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("case", CASES)
+def test_interpreted_kernel_matches_the_definitions(case):
+    check_kernel_against_definitions(case, torch.device("cpu"))
+
+
+@interpreted
+def test_interpreted_kernel_without_an_sps_table_counts_the_threshold():
+    from vllm_dspark.capacity.proposal_kernel import THRESHOLD_COUNT, proposal_stats
+
+    survival = survivals(5, torch.Generator().manual_seed(0))
+    stats = proposal_stats(survival, None, 0.0, 0.0, 0.4, MAX_NUM_REQS)
+    assert stats.shape == (2 + K,)
+    assert stats[THRESHOLD_COUNT] == threshold_count(survival, 0.4)

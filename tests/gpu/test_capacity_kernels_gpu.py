@@ -1,0 +1,25 @@
+"""On a GPU: the capacity-control kernels compute what their PyTorch definitions say (the
+CPU suite checks the same under Triton's interpreter): the compaction of a verification
+batch, and each proposal's statistics."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from test_compaction_kernel import NUM_REQS, check_kernel_against_layout  # noqa: E402
+from test_proposal_kernel import CASES, check_kernel_against_definitions  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("num_reqs", NUM_REQS)
+def test_compaction_kernel_matches_the_pytorch_layout(num_reqs):
+    check_kernel_against_layout(num_reqs, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_proposal_kernel_matches_the_definitions(case):
+    check_kernel_against_definitions(case, torch.device("cuda"))
