@@ -6,7 +6,7 @@ import torch
 
 from vllm_dspark.capacity.allocation import sps_best_count, sps_table_from_curve
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
-from vllm_dspark.capacity.step_overhead import WINDOW, StepOverhead, fit_overhead
+from vllm_dspark.capacity.step_overhead import WINDOW, OverheadFit, StepOverhead
 
 CPU = torch.device("cpu")
 
@@ -35,21 +35,35 @@ def test_the_estimate_is_the_rest_of_the_period_a_window_late():
     run_steps(overhead, clock, [7.0] * WINDOW, 3.0, 1.0)
     assert overhead.seconds == pytest.approx(1e-3)  # the outlier does not count
     assert overhead.per_draft_seconds == 0.0  # the drafts never varied
+    # It follows a change within a few windows (earlier ones decay).
     run_steps(overhead, clock, [7.0] * WINDOW, 3.0, 1.0)
-    assert overhead.seconds == pytest.approx(3e-3)
+    assert 1e-3 < overhead.seconds < 3e-3
+    run_steps(overhead, clock, [7.0] * (30 * WINDOW), 3.0, 1.0)
+    assert overhead.seconds == pytest.approx(3e-3, rel=1e-2)
+
+
+def fitted(drafts, residuals) -> tuple[float, float]:
+    fit = OverheadFit()
+    fit.add(drafts, residuals)
+    return fit.estimate()
 
 
 def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
     # 1 ms per step and 10 us per verified draft, over admissions of 0 to 620 drafts.
     drafts = np.arange(WINDOW, dtype=np.float64) * 20
-    fixed, per_draft = fit_overhead(drafts, 1e-3 + 1e-5 * drafts)
+    fixed, per_draft = fitted(drafts, 1e-3 + 1e-5 * drafts)
     assert fixed == pytest.approx(1e-3, rel=1e-3)
     assert per_draft == pytest.approx(1e-5, rel=1e-3)
     # An outlier (a pause between steps) does not move it; nor can either go negative.
     residuals = 1e-3 + 1e-5 * drafts
     residuals[5] = 0.5
-    assert fit_overhead(drafts, residuals) == pytest.approx((1e-3, 1e-5), rel=1e-3)
-    assert fit_overhead(drafts, 5e-3 - 1e-5 * drafts)[1] == 0.0
+    assert fitted(drafts, residuals) == pytest.approx((1e-3, 1e-5), rel=1e-3)
+    assert fitted(drafts, 5e-3 - 1e-5 * drafts)[1] == 0.0
+    # A window whose admission never varied keeps the slope earlier windows found.
+    fit = OverheadFit()
+    fit.add(drafts, 1e-3 + 1e-5 * drafts)
+    fit.add(np.full(WINDOW, 300.0), np.full(WINDOW, 1e-3 + 1e-5 * 300))
+    assert fit.estimate() == pytest.approx((1e-3, 1e-5), rel=1e-3)
 
 
 def test_the_measurement_follows_the_admission():
@@ -81,20 +95,29 @@ def test_a_given_overhead_is_never_measured():
 
 
 def test_ranks_with_different_clocks_plan_with_the_same_value():
-    # Rank 0 measures 0.5 s, rank 1 0.75 s (binary fractions: exact); the device reduction
-    # (faked: each rank's collective sees the other's value) gives both the larger.
-    def reduce_with(other_s):
-        return lambda tensor: tensor[0].clamp_(min=other_s)
+    # Rank 0 measures 0.5 s, rank 1 0.75 s. A fake collective: the second rank's call
+    # completes it, writing the max into both ranks' tensors and refreshing rank 0's host
+    # copy, which on a GPU stream runs after the collective anyway.
+    ranks: list[StepOverhead] = []
+
+    def reduce_max(tensor):
+        if tensor is ranks[0]._device_value:
+            return  # waits for its peer
+        peer = ranks[0]
+        torch.maximum(tensor, peer._device_value, out=tensor)
+        peer._device_value.copy_(tensor)
+        peer._host_value.copy_(tensor)
 
     clocks = [FakeClock(), FakeClock()]
-    ranks = [
-        StepOverhead(CPU, reduce_max=reduce_with(other), clock=clock)
-        for other, clock in zip((0.75, 0.5), clocks, strict=True)
-    ]
-    for rank, clock, period in zip(ranks, clocks, (1000.0, 1250.0), strict=True):
+    ranks += [StepOverhead(CPU, reduce_max=reduce_max, clock=clock) for clock in clocks]
+    for rank in ranks:
         rank.observe(64, 0.5, 0.0)
-        run_steps(rank, clock, [period] * (2 * WINDOW), 500.0, 0.0)
-    assert ranks[0].seconds == ranks[1].seconds == 0.75
+    for _ in range(3 * WINDOW):  # in lockstep, rank 0 first, as the ranks' steps are
+        for rank, clock, period in zip(ranks, clocks, (1.0, 1.25), strict=True):
+            clock.now += period
+            rank.observe(64, 0.5, 0.0)
+    assert ranks[0].seconds == ranks[1].seconds == pytest.approx(0.75)
+    assert ranks[0].per_draft_seconds == ranks[1].per_draft_seconds
 
 
 def test_overhead_makes_sps_admit_what_a_bare_curve_refuses():
@@ -136,7 +159,7 @@ def test_per_draft_time_limits_what_sps_admits():
     assert capped == 4
 
 
-def test_sps_varies_a_saturated_admission_now_and_then(engine_config, model_dirs):
+def test_sps_varies_its_admission_now_and_then(engine_config, model_dirs):
     from test_compact_verification import K, build_speculator
 
     from vllm_dspark.capacity.control import EXPLORE_EVERY
@@ -159,3 +182,55 @@ def test_sps_varies_a_saturated_admission_now_and_then(engine_config, model_dirs
     )
     assert {given.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)} == {16 * K}
     assert given.step_overhead.seconds == 0.0015
+
+
+def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_config, model_dirs):
+    """The real control path on a simulated host-bound engine whose step takes, with n
+    drafts verified for R requests, F(R + n) (the curve: a small, fast target) + D
+    (drafting) + 2.5 ms + 5 us per draft: sps must learn O and b and settle on the
+    admission that maximises true tokens per second."""
+    from test_compact_verification import K, build_speculator
+
+    num_reqs, fixed_s, per_draft_s, draft_s = 32, 2.5e-3, 5e-6, 3e-4
+    curve = [[1, 8000.0], [64, 6000.0], [256, 2000.0]]
+    speculator = build_speculator(
+        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
+    )
+    speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
+    clock = FakeClock()
+    speculator.step_overhead._clock = clock
+    # Calibrated survivals, requests from doubtful to confident.
+    confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
+    survival = torch.cumprod(confidence, dim=1)
+    table = speculator.sps_table_host
+
+    def step_seconds(drafts: int) -> float:
+        return 1 / float(table[num_reqs + drafts]) + draft_s + fixed_s + per_draft_s * drafts
+
+    def true_rate(drafts: int) -> float:
+        ordered = survival.flatten().sort(descending=True).values
+        return (num_reqs + float(ordered[:drafts].sum())) / step_seconds(drafts)
+
+    budgets, drafted = [], True  # the proposal before the first step drafted
+    for _ in range(12 * WINDOW):
+        budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
+        speculator.step_tokens = num_reqs + budget
+        # This period: the step's forward and host work, and the last proposal's drafting.
+        clock.now += step_seconds(budget) - (0.0 if drafted else draft_s)
+        speculator.observe_step(num_reqs)
+        drafted = speculator.plan_proposal(num_reqs, K)
+        speculator.drafted_last = drafted
+        if drafted:
+            speculator.record_proposal(survival)
+        budgets.append(budget)
+    # Before O was known the gate judged drafting too dear and closed; it reopened.
+    assert speculator.proposals_skipped > 0 and drafted
+    overhead = speculator.step_overhead
+    assert overhead.seconds == pytest.approx(fixed_s, rel=0.05)
+    assert overhead.per_draft_seconds == pytest.approx(per_draft_s, rel=0.05)
+    best = max(range(num_reqs * K + 1), key=true_rate)
+    settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
+    assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
+    # Without the overhead model (the curve alone) it would have admitted far less.
+    bare = int(sps_best_count(survival, speculator.sps_table))
+    assert true_rate(bare) < 0.97 * true_rate(best), (bare, best)

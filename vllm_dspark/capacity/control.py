@@ -45,7 +45,7 @@ from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 _FINGERPRINT_MOD = 2_147_483_647
 _FINGERPRINT_MUL = 1_000_003
 
-# sps measuring its overhead: one step in this many saturated ones verifies half its drafts.
+# sps measuring its overhead: one step in this many verifies half its admitted drafts.
 EXPLORE_EVERY = 64
 
 # Options a running engine can switch (benchmarks compare capacity arms in one engine);
@@ -88,7 +88,7 @@ class CapacityControl:
         # run are set by the compaction wrapper (None: not a decode step).
         self.step_overhead = None
         self.step_tokens = None
-        self.saturated_in_a_row = 0
+        self.steps_since_varied = 0
         if options.capacity == "sps":
             fixed = options.step_overhead_ms
             self.step_overhead = StepOverhead(
@@ -253,23 +253,20 @@ class CapacityControl:
         # At least one draft: a compacted step always has drafts to verify.
         budget = max(1, min(cap, wanted))
         if self.step_overhead is not None and self.step_overhead.measuring:
-            budget = self._vary_saturated(budget, cap)
+            budget = self._vary_admission(budget)
         return budget
 
-    def _vary_saturated(self, budget: int, cap: int) -> int:
-        """sps measuring its step overhead: after EXPLORE_EVERY saturated steps in a row,
-        one verifies the better half only. Steps that all verify the same number of drafts
-        cannot tell the per-draft time from the per-step time (``step_overhead``); this
-        step can, for the price of its less likely half of the drafts. A function of the
-        step count alone: lossless, and the same on every rank."""
-        if budget < cap or cap < 2:
-            self.saturated_in_a_row = 0
+    def _vary_admission(self, budget: int) -> int:
+        """sps measuring its step overhead: one step in EXPLORE_EVERY verifies the better
+        half of its admission only. Steps that all verify the same number of drafts (an
+        admission that has settled) cannot tell the per-draft time from the per-step time
+        (``step_overhead``); this step can, for the price of its less likely half of the
+        drafts. A function of the step count alone: lossless, and the same on every rank."""
+        self.steps_since_varied += 1
+        if self.steps_since_varied < EXPLORE_EVERY or budget < 2:
             return budget
-        self.saturated_in_a_row += 1
-        if self.saturated_in_a_row < EXPLORE_EVERY:
-            return budget
-        self.saturated_in_a_row = 0
-        return cap // 2
+        self.steps_since_varied = 0
+        return budget // 2
 
     def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
         """k_r of each request: the same depth for all (acceptance), else the ``budget``

@@ -18,14 +18,15 @@ D(R) being the drafter's profiled time per proposal, and ``sps`` maximises
 ``auto`` fits O and b while serving. Each real proposal ends one step, whose host period
 (the time since the previous proposal) is the step's cost in steady state, whether the
 GPU or the host is the bottleneck; less the curve's forward for the tokens it verified and
-D(R) when a proposal was drafted, that is one sample of O + b n. Every window of samples
-is fitted by least squares (samples far above the median, a pause or a prefill step
-in between, left out; a small ridge keeps b at 0 where n never varied), both clamped at
-0 (capacity control varies a saturated admission now and then so that b can be told
-apart from O). The host clock differs between tensor-parallel ranks, so each window's (O, b) is
-reduced to the largest over ranks on the device and read one window later (its copy long
-done): every rank plans with the same values, as the admission must be identical on
-every rank.
+D(R) when a proposal was drafted, that is one sample of O + b n. Each window's samples,
+less those far above its median (a pause or a prefill step in between), join decayed
+least-squares sums over the last few windows, from which O and b are fitted (a small ridge
+keeps b at 0 where n never varied; both clamped at 0). An admission that settles stays
+the same step after step, which cannot tell b from O, so capacity control verifies half
+of it now and then (``control.EXPLORE_EVERY``). The host clock differs between
+tensor-parallel ranks, so each window's (O, b) is reduced to the largest over ranks on
+the device and read one window later (its copy long done): every rank plans with the same
+values, as the admission must be identical on every rank.
 """
 
 from __future__ import annotations
@@ -38,18 +39,29 @@ import torch
 
 WINDOW = 32  # proposals per fit
 OUTLIER = 3.0  # samples above this many times the window's median are left out
+DECAY = 0.8  # per window: the fit weighs about the last five windows
 RIDGE = 1.0  # draft-count variance added to the fit's denominator (in drafts squared)
 
 
-def fit_overhead(drafts: np.ndarray, residuals: np.ndarray) -> tuple[float, float]:
-    """(O, b) of residual = O + b * drafts, least squares without outliers, both >= 0."""
-    keep = residuals <= OUTLIER * np.median(residuals) + 1e-6
-    drafts, residuals = drafts[keep], residuals[keep]
-    centered = drafts - drafts.mean()
-    slope = float((centered * (residuals - residuals.mean())).sum())
-    slope /= float((centered**2).sum()) + RIDGE
-    slope = max(0.0, slope)
-    return max(0.0, float(residuals.mean()) - slope * float(drafts.mean())), slope
+class OverheadFit:
+    """Decayed least-squares sums of (drafts n, residual r) for r = O + b n."""
+
+    def __init__(self):
+        self.sums = np.zeros(5)  # count, n, r, n^2, n r
+
+    def add(self, drafts: np.ndarray, residuals: np.ndarray) -> None:
+        """One window's samples, less its outliers; earlier windows decay."""
+        keep = residuals <= OUTLIER * np.median(residuals) + 1e-6
+        n, r = drafts[keep], residuals[keep]
+        window = np.array([len(n), n.sum(), r.sum(), (n * n).sum(), (n * r).sum()])
+        self.sums = DECAY * self.sums + window
+
+    def estimate(self) -> tuple[float, float]:
+        """(O, b), both >= 0."""
+        count, n, r, nn, nr = self.sums
+        mean_n, mean_r = n / count, r / count
+        slope = max(0.0, (nr - count * mean_n * mean_r) / (nn - count * mean_n**2 + RIDGE))
+        return max(0.0, mean_r - slope * mean_n), slope
 
 
 class StepOverhead:
@@ -68,6 +80,7 @@ class StepOverhead:
         self._reduce_max = reduce_max
         self._clock = clock
         self._samples: list[tuple[int, float]] = []
+        self._fit = OverheadFit()
         self._last_time: float | None = None
         cuda = device.type == "cuda"
         self._device_value = torch.zeros(2, dtype=torch.float64, device=device)
@@ -89,7 +102,8 @@ class StepOverhead:
         if len(self._samples) < WINDOW:
             return
         samples = np.array(self._samples, dtype=np.float64)
-        self._publish(fit_overhead(samples[:, 0], samples[:, 1]))
+        self._fit.add(samples[:, 0], samples[:, 1])
+        self._publish(self._fit.estimate())
         self._samples.clear()
 
     def _publish(self, fitted: tuple[float, float]) -> None:
