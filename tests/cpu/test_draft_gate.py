@@ -102,6 +102,7 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
             "dspark_capacity": "sps",
             "dspark_sps_curve": curve,
             "dspark_varlen_verify": True,
+            "dspark_step_overhead_ms": 0.0,  # known: the gate weighs from the first step
         }
     )
     with set_current_vllm_config(config):

@@ -157,8 +157,17 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
         speculator.switch_capacity({"capacity": "sps"})  # never profiled here
     speculator.set_sps_curve(curve, torch.device("cpu"), profiled=True)
     speculator.switch_capacity({"capacity": "sps", "sps_curve": [[1, 5.0], [9, 1.0]]})
+    measured = speculator.step_overhead
     speculator.switch_capacity({"capacity": "sps", "varlen_verify": True})  # auto
     assert speculator.sps_table[64].item() == pytest.approx(90.0)  # the profile, not [[1, 5]..
+    # The step's measured costs survive the switches (other modes in between included);
+    # a given overhead is the arm's own.
+    assert speculator.step_overhead is measured and measured.measuring
+    speculator.switch_capacity({"capacity": "budget", "varlen_verify": True})
+    speculator.switch_capacity({"capacity": "sps", "step_overhead_ms": 2.0})
+    assert speculator.step_overhead.seconds == 0.002 and not speculator.step_overhead.measuring
+    speculator.switch_capacity({"capacity": "sps"})
+    assert speculator.step_overhead is measured
 
 
 def test_uncomputed_positions_are_point_masses_on_their_token():

@@ -223,14 +223,20 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_co
         if drafted:
             speculator.record_proposal(survival)
         budgets.append(budget)
-    # Before O was known the gate judged drafting too dear and closed; it reopened.
-    assert speculator.proposals_skipped > 0 and drafted
+    # On the curve alone the gate would have judged drafting too dear from the first step;
+    # it waits for the first fit instead, and never closed.
+    assert speculator.proposals_skipped == 0 and drafted
     overhead = speculator.step_overhead
     assert overhead.seconds == pytest.approx(fixed_s, rel=0.05)
     assert overhead.per_draft_seconds == pytest.approx(per_draft_s, rel=0.05)
     best = max(range(num_reqs * K + 1), key=true_rate)
     settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
     assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
-    # Without the overhead model (the curve alone) it would have admitted far less.
+    # Without the overhead model (the curve alone) it would have admitted far less, and
+    # its gate would have closed.
     bare = int(sps_best_count(survival, speculator.sps_table))
     assert true_rate(bare) < 0.97 * true_rate(best), (bare, best)
+    gate = speculator.draft_gate
+    assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
+        num_reqs, survival.mean(dim=0).tolist(), K
+    )

@@ -86,14 +86,17 @@ class CapacityControl:
         self.sps_table_host = None
         # sps: the step's time outside the curve; the verified tokens of the step being
         # run are set by the compaction wrapper (None: not a decode step).
+        # Measured once per engine: switched between arms, it keeps the host's costs.
+        self.measured_overhead = getattr(self, "measured_overhead", None)
         self.step_overhead = None
         self.step_tokens = None
         self.steps_since_varied = 0
-        if options.capacity == "sps":
-            fixed = options.step_overhead_ms
-            self.step_overhead = StepOverhead(
-                device, None if fixed == "auto" else fixed / 1000.0, _tp_reduce_max()
-            )
+        if options.capacity == "sps" and options.step_overhead_ms == "auto":
+            if self.measured_overhead is None:
+                self.measured_overhead = StepOverhead(device, None, _tp_reduce_max())
+            self.step_overhead = self.measured_overhead
+        elif options.capacity == "sps":
+            self.step_overhead = StepOverhead(device, options.step_overhead_ms / 1000.0)
         # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve);
         # an engine switched back to auto (switch_capacity) reuses its profile.
         self.profiled_sps_curve = getattr(self, "profiled_sps_curve", None)
@@ -198,6 +201,8 @@ class CapacityControl:
         if self.draft_gate is None:
             return True
         overhead = self.step_overhead
+        if not overhead.ready:
+            return True  # not weighed before the step's costs are known
         drafting = self.draft_gate.decide(
             num_reqs,
             self.stale_survival.per_request(),

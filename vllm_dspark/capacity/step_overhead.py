@@ -77,6 +77,7 @@ class StepOverhead:
         self.seconds = fixed_seconds or 0.0  # O
         self.per_draft_seconds = 0.0  # b
         self.measuring = fixed_seconds is None
+        self.ready = not self.measuring  # whether O and b hold a fit (or were given)
         self._reduce_max = reduce_max
         self._clock = clock
         self._samples: list[tuple[int, float]] = []
@@ -112,6 +113,7 @@ class StepOverhead:
             if self._event is not None:
                 self._event.synchronize()
             self.seconds, self.per_draft_seconds = self._host_value.tolist()
+            self.ready = True
         for value, target in zip(fitted, self._device_value, strict=True):
             target.fill_(value)  # a kernel argument: no copy from pageable memory
         if self._reduce_max is not None:
