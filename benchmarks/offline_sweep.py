@@ -5,11 +5,12 @@
 
 Each arm runs in a fresh process (`LLM()`, greedy, EOS ignored). For each concurrency
 c it submits c prompts of --prompt-len tokens at once, --output-len tokens each, after
-a warm-up at that concurrency, and reports output tokens per second and the spec-decode
-counters of the run. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived from
-``--rates`` (per-position unconditional acceptance): ``--acceptance rates`` is vLLM's own
-(one fixed rate per position), ``--acceptance confidence`` draws per-draft confidences
-around the same conditional rates and accepts each draft with its confidence
+a warm-up at that concurrency, --repeats times with fresh prompts, and reports the median
+output tokens per second (each repeat's too) and the spec-decode counters of all
+repeats. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived from
+``--rates`` (per-position unconditional acceptance): ``--acceptance rates`` is vLLM's
+own (one fixed rate per position), ``--acceptance confidence`` draws per-draft
+confidences around the same conditional rates and accepts each draft with its confidence
 (``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have no
 confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with real
 verification (DSpark arms only). ``--shared-engine`` runs the DSpark capacity arms in one
@@ -24,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,15 +172,22 @@ def run_arm_here(spec: dict) -> None:
             llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
             before = SpecDecodeCounts.from_metrics(llm.get_metrics())
             admitted_before = admission()
-            start = time.perf_counter()
-            outputs = llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
-            seconds = time.perf_counter() - start
+            tok_s = []
+            for repeat in range(spec["repeats"]):
+                # Offsets 7 apart: no repeat's prompt starts like an earlier one's (no cache).
+                batch = prompts(concurrency, concurrency + 7 * repeat)
+                start = time.perf_counter()
+                outputs = llm.generate(batch, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+                tok_s.append(round(tokens / seconds, 1))
+            # Counters over every repeat; throughput the median repeat's.
             counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
             admitted = admission() - admitted_before
-            tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
             row = {
                 "concurrency": concurrency,
-                "tok_s": round(tokens / seconds, 1),
+                "tok_s": statistics.median(tok_s),
+                "tok_s_repeats": tok_s,
                 "acceptance_length": counts.acceptance_length if counts.drafts else None,
                 # Per request and step, compacted steps only (else all K).
                 "admitted_per_req": admitted.admitted_per_request if speculating else None,
@@ -228,6 +237,9 @@ def main() -> int:
     parser.add_argument(
         "--graphs-to", type=int, help="capture CUDA graphs up to this many tokens (every arm)"
     )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per concurrency (the median counts)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -265,6 +277,7 @@ def main() -> int:
             "output_len": args.output_len,
             "concurrency": [int(c) for c in args.concurrency.split(",")],
             "graphs_to": args.graphs_to,
+            "repeats": args.repeats,
         }
         done = subprocess.run(
             [sys.executable, __file__, "--out", str(args.out), "--arm-spec", json.dumps(spec)],

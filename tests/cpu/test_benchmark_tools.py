@@ -97,3 +97,48 @@ def test_graphs_to_extends_vllms_capture_sizes_past_512():
     assert engine_kwargs("m", graphs_to=2048)["compilation_config"] == {
         "cudagraph_capture_sizes": capture_sizes(2048)
     }
+
+
+def test_offline_sweep_reports_the_median_of_fresh_repeats(monkeypatch, capsys):
+    import types
+
+    import offline_sweep
+    import vllm
+
+    seen_prompts = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.calls = 0
+
+        def generate(self, prompts, params, use_tqdm=False):
+            self.calls += 1
+            seen_prompts.append([p["prompt_token_ids"] for p in prompts])
+            output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
+            return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
+
+        def get_metrics(self):
+            return []
+
+    clock = iter(range(100))
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: next(clock) ** 2 / 10)
+    spec = {
+        "options": None,
+        "target": "t",
+        "dummy": True,
+        "prompt_len": 32,
+        "output_len": 20,
+        "concurrency": [2],
+        "repeats": 3,
+        "switch": None,
+    }
+    offline_sweep.run_arm_here(spec)
+    row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
+    # Runs of 0.1, 0.5 and 0.9 s (the fake clock) for 40 tokens each: the median counts.
+    assert row["tok_s_repeats"] == [400.0, 80.0, 44.4]
+    assert row["tok_s"] == 80.0
+    # Warm-ups (the engine's, then the concurrency's), then three fresh prompt sets.
+    assert len(seen_prompts) == 5
+    first_blocks = [tuple(prompt[:16]) for batch in seen_prompts for prompt in batch]
+    assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
