@@ -45,7 +45,7 @@ from vllm_dspark.verify.compact_graphs import (
     pick_compact_graph,
     replays_varlen_graphs,
 )
-from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens
+from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens, compact_tokens
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
@@ -171,8 +171,8 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
         layout = compact_layout(capacity, num_drafts, num_tokens)
         uniform = num_reqs * (1 + num_drafts)
         # Gathered first, then written back: source and destination overlap.
-        input_ids = buffers.input_ids[:uniform][layout.source]
-        positions = buffers.positions[:uniform][layout.source]
+        input_ids = compact_tokens(buffers.input_ids[:uniform], layout)
+        positions = compact_tokens(buffers.positions[:uniform], layout)
         buffers.input_ids[:num_tokens].copy_(input_ids)
         buffers.positions[:num_tokens].copy_(positions)
         buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
