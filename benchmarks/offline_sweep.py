@@ -37,16 +37,18 @@ from shapes import SHAPES, write_shape
 
 # The acceptance profile measured alongside the stock baseline in shared/device/README.md.
 DEFAULT_RATES = "0.8,0.62,0.48,0.37,0.28,0.21,0.16"
+DYNAMIC_SD_TABLE = json.loads(
+    (Path(__file__).parent / "results" / "dynamic_sd_table.json").read_text()
+)["num_speculative_tokens_per_batch_size"]
 
 ARMS = {
     "nospec": None,
     "dspark": {},
     "dspark-fp8": {"dspark_fp8_draft_head": True},
     "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
-    # vLLM's Dynamic SD: k by batch size (inclusive ranges).
-    "dynamic-sd": {
-        "num_speculative_tokens_per_batch_size": [[1, 16, 7], [17, 64, 3], [65, 4096, 1]]
-    },
+    # vLLM's Dynamic SD: k by batch size (inclusive ranges), the table tune_dynamic_sd.py
+    # derived from the measured fixed-k step breakdowns.
+    "dynamic-sd": {"num_speculative_tokens_per_batch_size": DYNAMIC_SD_TABLE},
     "budget": {
         "dspark_capacity": "budget",
         "dspark_budget_frac": 0.5,

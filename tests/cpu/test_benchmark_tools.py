@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic (their GPU runs are on the H200)."""
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -142,3 +143,41 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(monkeypatch, capsys):
     assert len(seen_prompts) == 5
     first_blocks = [tuple(prompt[:16]) for batch in seen_prompts for prompt in batch]
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
+
+
+def test_dynamic_sd_table_takes_the_best_measured_k_per_batch_size():
+    from tune_dynamic_sd import decode_ratios, table_from_ratios
+
+    def row(arm, concurrency, decode_tok_s):
+        return {"arm": arm, "concurrency": concurrency, "decode_tok_s": decode_tok_s}
+
+    first_run = {
+        "rows": [row("nospec", 1, 100), row("dspark-k1", 1, 150), row("dspark-k7", 1, 250)]
+    }
+    # Another run: other absolute speeds, compared through its own no-speculation rows.
+    second_run = {
+        "rows": [
+            row("nospec", 16, 2000),
+            row("dspark-k3", 16, 3000),
+            row("dspark-k7", 16, 2800),
+            row("nospec", 256, 20000),
+            row("dspark-k1", 256, 19000),  # nothing beats no speculation here
+            row("dspark-k3", 256, 12000),
+        ]
+    }
+    ratios = decode_ratios([first_run, second_run])
+    assert ratios == {1: {1: 1.5, 7: 2.5}, 16: {3: 1.5, 7: 1.4}, 256: {1: 0.95, 3: 0.6}}
+    # Boundaries at geometric means (4 between 1 and 16, 64 between 16 and 256).
+    assert table_from_ratios(ratios) == [[1, 4, 7], [5, 64, 3], [65, 4096, 1]]
+
+
+def test_the_sweeps_dynamic_sd_arm_runs_the_tuned_table():
+    import offline_sweep
+
+    table = json.loads(
+        (Path(offline_sweep.__file__).parent / "results" / "dynamic_sd_table.json").read_text()
+    )
+    arm = offline_sweep.ARMS["dynamic-sd"]["num_speculative_tokens_per_batch_size"]
+    assert arm == table["num_speculative_tokens_per_batch_size"]
+    assert arm[0][0] == 1 and arm[-1][1] >= 256
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(arm))  # contiguous ranges
