@@ -12,11 +12,10 @@ from vllm_dspark.demo import EMBEDDED_PAIR
 LLM_PROBE = Path(__file__).parent / "gpu" / "llm_probe.py"
 
 
-def run_pair(options: dict | None, plugin: bool = True, timeout: int = 900, **spec) -> dict:
-    """Greedy generation with the embedded pair: DSpark with ``options`` (None: no
-    speculation), with or without this plugin loaded. ``spec`` gives the probe's other keys
-    (the prompts and max_tokens at least) and may override the defaults: float32, a tenth
-    of the GPU's memory."""
+def pair_spec(options: dict | None, **spec) -> str:
+    """The probe's JSON spec for the embedded pair: DSpark with ``options`` (None: no
+    speculation). ``spec`` gives the probe's other keys (the prompts and max_tokens at
+    least) and may override the defaults: float32, a tenth of the GPU's memory."""
     full = {
         "target": str(EMBEDDED_PAIR / "target"),
         "draft": None if options is None else str(EMBEDDED_PAIR / "draft"),
@@ -25,5 +24,11 @@ def run_pair(options: dict | None, plugin: bool = True, timeout: int = 900, **sp
         "gpu_memory_utilization": 0.1,
         **spec,
     }
+    return json.dumps(full)
+
+
+def run_pair(options: dict | None, plugin: bool = True, timeout: int = 900, **spec) -> dict:
+    """Greedy generation with the embedded pair (:func:`pair_spec`), with or without this
+    plugin loaded."""
     plugins = None if plugin else without_dspark_plugin()
-    return run_probe(LLM_PROBE, stdin=json.dumps(full), plugins=plugins, timeout=timeout)
+    return run_probe(LLM_PROBE, stdin=pair_spec(options, **spec), plugins=plugins, timeout=timeout)

@@ -28,15 +28,17 @@ def run_probe(
     stdin: str | None = None,
     plugins: str | None = None,
     timeout: int = 900,
+    prefix: tuple[str, ...] = (),
 ):
     """``script args...`` (``stdin`` on its standard input: a spec too long for the command
-    line) with no VLLM_DSPARK_* variables and the given VLLM_PLUGINS."""
+    line) with no VLLM_DSPARK_* variables and the given VLLM_PLUGINS, under ``prefix``
+    (e.g. a compute-sanitizer command line) if given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DSPARK_")}
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
     done = subprocess.run(
-        [sys.executable, str(script), *args],
+        [*prefix, sys.executable, str(script), *args],
         env=env,
         input=stdin,
         capture_output=True,

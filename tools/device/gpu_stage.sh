@@ -40,6 +40,8 @@
 #            test_soak_gpu, test_draft_slots_gpu; one log, each JSON in its own folder
 #   capacity-embedded
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
+#   sanitizer  compute-sanitizer memcheck over a short run of the embedded pair with every
+#            capacity option (tests/gpu/test_sanitizer_gpu.py; skipped without the tool)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
 # tested commit in the JSON results.
 set -u
@@ -163,6 +165,12 @@ case "$stage" in
     done > "$OUT/hardening.log"
     grep "^==\|passed\|failed\|Error" "$OUT/hardening.log" | head -60
     python3 tools/hardening_summary.py "$OUT" --out "$OUT/hardening.json"
+    ;;
+  sanitizer)
+    vllm_env; use_recalibrated
+    # memcheck slows every kernel down by an order of magnitude: one short run.
+    timeout 580 python3 -m pytest tests/gpu/test_sanitizer_gpu.py -q -p no:cacheprovider -rA \
+      2>&1 | tail -20
     ;;
   capacity-embedded)
     vllm_env

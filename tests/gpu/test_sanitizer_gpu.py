@@ -1,0 +1,79 @@
+"""On a GPU, with the embedded pair: compute-sanitizer's memcheck over a short run with
+every capacity option (hardening case 2: no kernel reads or writes memory it does not own).
+
+The run is small (4 prompts, 24 tokens, max_num_seqs 4, so few CUDA graphs are captured),
+in float32, and the sanitizer follows every process (the engine core's too), so it sees
+every kernel: vLLM's, the compact verification graphs' and the plugin's Triton kernels. The
+caching allocator stays on (CUDA graphs need it), so memcheck sees accesses outside live
+allocations, not reuse inside the allocator's pool: that is what the freed-memory test
+(tests/gpu/test_freed_memory_gpu.py) covers. Skipped where the machine has no
+compute-sanitizer; set DSPARK_RESULTS_DIR to also write ``sanitizer.json`` there.
+"""
+
+import glob
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from gpu_options import EVERY_CAPACITY_OPTION
+from gpu_results import write_result
+from pair_probe import LLM_PROBE, pair_spec
+from subprocess_probe import run_probe
+
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
+]
+
+
+def find_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    return found or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))), None)
+
+
+def error_count(log: str) -> int:
+    """memcheck's "ERROR SUMMARY: N errors" (summed over the processes it followed)."""
+    counts = re.findall(r"ERROR SUMMARY: (\d+) error", log)
+    assert counts, log[-3000:]
+    return sum(map(int, counts))
+
+
+def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        pytest.skip("no compute-sanitizer on this machine")
+    log = tmp_path / "memcheck.log"
+    prefix = (
+        sanitizer,
+        "--tool=memcheck",
+        "--target-processes=all",
+        "--print-limit=20",
+        f"--log-file={log}",
+    )
+    spec = pair_spec(
+        EVERY_CAPACITY_OPTION,
+        prompts=load_prompts(num_prompts=4),
+        max_tokens=24,
+        max_num_seqs=4,
+    )
+    result = run_probe(LLM_PROBE, stdin=spec, prefix=prefix, timeout=3000)
+    text = log.read_text()
+    errors = error_count(text)
+    write_result(
+        "sanitizer.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_sanitizer_gpu.py",
+        {
+            "setup": "embedded pair, 4 prompts, 24 tokens, max_num_seqs 4, float32, k=7, "
+            "compute-sanitizer memcheck over every process",
+            "options": EVERY_CAPACITY_OPTION,
+            "sanitizer": sanitizer,
+            "errors": errors,
+            "compacted_steps": result["admission"]["steps"],
+            "first_errors": text[:4000] if errors else "",
+        },
+    )
+    assert result["admission"]["steps"] > 0  # the plugin's paths ran
+    assert errors == 0, text[:8000]
