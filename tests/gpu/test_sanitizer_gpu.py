@@ -13,6 +13,8 @@ compute-sanitizer; set DSPARK_RESULTS_DIR to also write ``sanitizer.json`` there
 import glob
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,19 @@ pytestmark = [
 ]
 
 
-def find_sanitizer() -> str | None:
+def usable_sanitizer() -> tuple[str | None, str]:
+    """(compute-sanitizer's path, or None with why not). Some machines have the tool but
+    it refuses their GPU (gVisor: "Device not supported"): it must run a CUDA allocation."""
     found = shutil.which("compute-sanitizer")
-    return found or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))), None)
+    found = found or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))), None)
+    if found is None:
+        return None, "no compute-sanitizer on this machine"
+    check = [found, "--tool=memcheck", sys.executable, "-c"]
+    check.append("import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")
+    done = subprocess.run(check, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0 or "ERROR SUMMARY: 0 errors" not in done.stdout:
+        return None, f"compute-sanitizer does not run here: {(done.stdout + done.stderr)[-300:]}"
+    return found, ""
 
 
 def error_count(log: str) -> int:
@@ -42,9 +54,14 @@ def error_count(log: str) -> int:
 
 
 def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
-    sanitizer = find_sanitizer()
+    sanitizer, why_not = usable_sanitizer()
     if sanitizer is None:
-        pytest.skip("no compute-sanitizer on this machine")
+        write_result(
+            "sanitizer.json",
+            "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_sanitizer_gpu.py",
+            {"available": False, "why": why_not},
+        )
+        pytest.skip(why_not)
     log = tmp_path / "memcheck.log"
     prefix = (
         sanitizer,
@@ -69,6 +86,7 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
             "setup": "embedded pair, 4 prompts, 24 tokens, max_num_seqs 4, float32, k=7, "
             "compute-sanitizer memcheck over every process",
             "options": EVERY_CAPACITY_OPTION,
+            "available": True,
             "sanitizer": sanitizer,
             "errors": errors,
             "compacted_steps": result["admission"]["steps"],
