@@ -84,9 +84,9 @@ class CapacityControl:
             self.stale_budget = StalePerRequest(device, options.budget_frac * num_drafts)
         self.sps_table = None
         self.sps_table_host = None
-        # sps: the step's time outside the curve; the verified tokens of the step being
-        # run are set by the compaction wrapper (None: not a decode step).
-        # Measured once per engine: switched between arms, it keeps the host's costs.
+        # sps: the step's time outside the curve, measured once per engine (switched
+        # between arms, it keeps the host's costs); the compaction wrapper sets the tokens
+        # the running step verifies (None: not a decode step).
         self.measured_overhead = getattr(self, "measured_overhead", None)
         self.step_overhead = None
         self.step_tokens = None
