@@ -1,9 +1,12 @@
-"""The runner-side rewrite of a uniform verification batch (CPU, real vLLM InputBatch)."""
+"""The runner-side rewrite of a uniform verification batch (CPU, real vLLM InputBatch):
+through the PyTorch layout, and through the Triton kernel under Triton's interpreter
+(:mod:`triton_interpreter`), the path a GPU takes."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_interpreter import interpreted, run_interpreted
 
 K = 7
 
@@ -50,7 +53,20 @@ def uniform_batch(num_reqs, computed):
     return batch, buffers
 
 
+def test_kernel_path_under_triton_interpreter():
+    assert run_interpreted(__file__) == 1
+
+
 def test_compacted_batch_verifies_the_budgets_best_prefixes(speculator):
+    check_compacted_batch(speculator)
+
+
+@interpreted
+def test_interpreted_kernel_path_writes_the_same_batch(speculator):
+    check_compacted_batch(speculator)
+
+
+def check_compacted_batch(speculator):
     from vllm_dspark.patches.compact_verification import compact_input_batch
 
     num_reqs = 3

@@ -18,7 +18,7 @@ CASES = [(1, 0.0, 0.0), (3, 0.002, 0.0), (16, 0.001, 2e-5), (24, 0.0, 0.0), (24,
 
 
 def test_kernel_under_triton_interpreter():
-    assert run_interpreted(__file__) == len(CASES) + 1
+    assert run_interpreted(__file__) == len(CASES) + 3
 
 
 def survivals(num_reqs: int, generator: torch.Generator) -> torch.Tensor:
@@ -68,3 +68,42 @@ def test_interpreted_kernel_without_an_sps_table_counts_the_threshold():
     stats = proposal_stats(survival, None, 0.0, 0.0, 0.4, MAX_NUM_REQS)
     assert stats.shape == (2 + K,)
     assert stats[THRESHOLD_COUNT] == threshold_count(survival, 0.4)
+
+
+def check_records(engine_config, model_dirs, mode: str) -> None:
+    """What a proposal records for the steps after it: the budget's wanted count and the
+    draft gate's per-position survival, read back one proposal later."""
+    from test_compact_verification import build_speculator
+
+    options = {"dspark_capacity": mode}
+    if mode == "sps":
+        options |= {"dspark_sps_curve": [[1, 250.0], [64, 200.0], [200, 90.0]]}
+        options["dspark_step_overhead_ms"] = 1.0
+    else:
+        options["dspark_confidence_threshold"] = 0.4
+    speculator = build_speculator(engine_config, model_dirs, **options)
+    num_reqs = 16
+    if mode == "sps":
+        speculator.set_draft_cost({K: [(1, 0.5), (64, 2.0)]})
+    survival = survivals(num_reqs, torch.Generator().manual_seed(3))
+    speculator.record_proposal(survival)
+    speculator.record_proposal(survival * 0.5)  # the next proposal's, not read yet
+    if mode == "sps":
+        fixed = 1e-3 + speculator._draft_seconds(num_reqs)
+        wanted = sps_best_count(survival, speculator.sps_table, fixed)
+        gate = speculator.stale_survival.per_request()
+        assert gate == pytest.approx((survival.clamp(min=0).sum(dim=0) / num_reqs).tolist())
+    else:
+        wanted = threshold_count(survival, 0.4)
+    assert speculator.stale_budget.per_request() == pytest.approx(int(wanted) / num_reqs)
+
+
+@pytest.mark.parametrize("mode", ["sps", "threshold"])
+def test_a_proposal_records_its_budget_and_survivals(engine_config, model_dirs, mode):
+    check_records(engine_config, model_dirs, mode)
+
+
+@interpreted
+@pytest.mark.parametrize("mode", ["sps", "threshold"])
+def test_interpreted_kernel_path_records_the_same(engine_config, model_dirs, mode):
+    check_records(engine_config, model_dirs, mode)

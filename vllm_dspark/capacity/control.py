@@ -40,6 +40,7 @@ from vllm_dspark.capacity.proposal_kernel import (
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
+from vllm_dspark.triton_path import use_triton
 
 # The admission fingerprint's modulus (2^31 - 1) and multiplier: products fit in int64.
 _FINGERPRINT_MOD = 2_147_483_647
@@ -351,7 +352,7 @@ class CapacityControl:
             overhead = self.step_overhead
             fixed = overhead.seconds + self._draft_seconds(num_reqs)
             per_draft = overhead.per_draft_seconds
-        if survival.is_cuda:
+        if use_triton(survival):
             stats = proposal_stats(
                 survival,
                 self.sps_table if sps else None,

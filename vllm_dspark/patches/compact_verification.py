@@ -40,6 +40,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 
 from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
+from vllm_dspark.triton_path import use_triton
 from vllm_dspark.verify.compact_graphs import (
     compact_graph_descriptors,
     pick_compact_graph,
@@ -153,7 +154,7 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     num_tokens = num_reqs + budget
     buffers = runner.input_buffers
     capacity = speculator.verify_capacity(batch.idx_mapping, budget)
-    if buffers.input_ids.is_cuda:
+    if use_triton(buffers.input_ids):
         from vllm_dspark.verify.compaction_kernel import compact_on_device
 
         expanded_idx, local_pos, logits_indices = compact_on_device(
