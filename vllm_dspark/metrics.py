@@ -93,6 +93,7 @@ class AdmissionCounts:
     fingerprint: int = 0  # hash of every compacted step's admissions (ranks must agree)
     # sps: the step's time outside the SPS curve now (gauges, capacity/step_overhead.py)
     step_overhead_ms: float = 0.0
+    per_request_overhead_us: float = 0.0
     per_draft_overhead_us: float = 0.0
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
@@ -107,6 +108,7 @@ class AdmissionCounts:
             self.proposals_skipped - other.proposals_skipped,
             self.fingerprint,
             self.step_overhead_ms,
+            self.per_request_overhead_us,
             self.per_draft_overhead_us,
         )
 
@@ -138,6 +140,7 @@ def _overhead(step_overhead) -> dict:
         return {}
     return {
         "step_overhead_ms": round(step_overhead.seconds * 1e3, 4),
+        "per_request_overhead_us": round(step_overhead.per_request_seconds * 1e6, 3),
         "per_draft_overhead_us": round(step_overhead.per_draft_seconds * 1e6, 3),
     }
 

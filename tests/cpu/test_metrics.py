@@ -47,9 +47,13 @@ def test_sps_reports_the_step_overhead_it_plans_with():
     from vllm_dspark.metrics import AdmissionCounts, _overhead
 
     overhead = StepOverhead(torch.device("cpu"), fixed_seconds=0.0025)
-    overhead.per_draft_seconds = 1.5e-5
+    overhead.per_request_seconds, overhead.per_draft_seconds = 2e-6, 1.5e-5
     gauges = _overhead(overhead)
-    assert gauges == {"step_overhead_ms": 2.5, "per_draft_overhead_us": 15.0}
+    assert gauges == {
+        "step_overhead_ms": 2.5,
+        "per_request_overhead_us": 2.0,
+        "per_draft_overhead_us": 15.0,
+    }
     counts = AdmissionCounts(num_drafts=7, **gauges)
     assert (counts - AdmissionCounts(num_drafts=7)).step_overhead_ms == 2.5  # a gauge
     assert _overhead(None) == {}

@@ -43,9 +43,12 @@ def test_the_estimate_is_the_rest_of_the_period_a_window_late():
 
 
 def fitted(drafts, residuals) -> tuple[float, float]:
+    """(O, b) of a window at one batch size."""
     fit = OverheadFit()
-    fit.add(drafts, residuals)
-    return fit.estimate()
+    fit.add(np.full(len(drafts), 64.0), drafts, residuals)
+    fixed, per_request, per_draft = fit.estimate()
+    assert per_request == pytest.approx(0.0, abs=1e-12)  # the batch size never varied
+    return fixed, per_draft
 
 
 def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
@@ -60,10 +63,22 @@ def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
     assert fitted(drafts, residuals) == pytest.approx((1e-3, 1e-5), rel=1e-3)
     assert fitted(drafts, 5e-3 - 1e-5 * drafts)[1] == 0.0
     # A window whose admission never varied keeps the slope earlier windows found.
+    requests = np.full(WINDOW, 64.0)
     fit = OverheadFit()
-    fit.add(drafts, 1e-3 + 1e-5 * drafts)
-    fit.add(np.full(WINDOW, 300.0), np.full(WINDOW, 1e-3 + 1e-5 * 300))
-    assert fit.estimate() == pytest.approx((1e-3, 1e-5), rel=1e-3)
+    fit.add(requests, drafts, 1e-3 + 1e-5 * drafts)
+    fit.add(requests, np.full(WINDOW, 300.0), np.full(WINDOW, 1e-3 + 1e-5 * 300))
+    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5), rel=1e-3, abs=1e-12)
+
+
+def test_the_fit_also_finds_the_time_per_request():
+    # Serving: the batch size and the admission both move; 0.5 ms + 8 us per request +
+    # 3 us per draft.
+    rng = np.random.default_rng(0)
+    requests = rng.integers(1, 256, WINDOW).astype(np.float64)
+    drafts = np.floor(requests * rng.uniform(0, 7, WINDOW))
+    fit = OverheadFit()
+    fit.add(requests, drafts, 5e-4 + 8e-6 * requests + 3e-6 * drafts)
+    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6), rel=1e-2)
 
 
 def test_the_measurement_follows_the_admission():
@@ -76,6 +91,21 @@ def test_the_measurement_follows_the_admission():
         overhead.observe(drafts, 0.004, 0.0)
     assert overhead.seconds == pytest.approx(1e-3, rel=1e-3)  # the ridge biases a little
     assert overhead.per_draft_seconds == pytest.approx(2e-5, rel=1e-3)
+
+
+def test_the_measurement_follows_the_batch_size():
+    clock = FakeClock()
+    overhead = StepOverhead(CPU, clock=clock)
+    overhead.observe(0, 0.0, 0.0, num_reqs=8)
+    for step in range(4 * WINDOW):
+        requests, drafts = 8 + step % 5 * 12, step % 8 * 16
+        # forward 4 ms; the rest 1 ms + 10 us per request + 20 us per draft
+        clock.now += 0.004 + 0.001 + 1e-5 * requests + 2e-5 * drafts
+        overhead.observe(drafts, 0.004, 0.0, num_reqs=requests)
+    assert overhead.seconds == pytest.approx(1e-3, rel=1e-2)
+    assert overhead.per_request_seconds == pytest.approx(1e-5, rel=1e-2)
+    assert overhead.per_draft_seconds == pytest.approx(2e-5, rel=1e-2)
+    assert overhead.per_step_seconds(100) == pytest.approx(2e-3, rel=1e-2)
 
 
 def test_steps_the_curve_does_not_describe_are_left_out():

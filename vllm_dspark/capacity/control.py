@@ -208,7 +208,7 @@ class CapacityControl:
             num_reqs,
             self.stale_survival.per_request(),
             depth,
-            overhead.seconds,
+            overhead.per_step_seconds(num_reqs),
             overhead.per_draft_seconds,
         )
         self.proposals_skipped += not drafting
@@ -233,7 +233,7 @@ class CapacityControl:
             return
         forward = 1.0 / float(self.sps_table_host[tokens])
         drafts = tokens - num_reqs
-        self.step_overhead.observe(drafts, forward, self._draft_seconds(num_reqs))
+        self.step_overhead.observe(drafts, forward, self._draft_seconds(num_reqs), num_reqs)
 
     def _draft_seconds(self, num_reqs: int) -> float:
         """The profiled time of a proposal at the current depth (0 when the last one was
@@ -348,9 +348,9 @@ class CapacityControl:
         threshold = self.options.confidence_threshold
         fixed = per_draft = 0.0
         if sps:
-            # The next step's time beyond its forward: O, the proposal it makes, b per draft.
+            # The next step's time beyond its forward: O + a R, its proposal, b per draft.
             overhead = self.step_overhead
-            fixed = overhead.seconds + self._draft_seconds(num_reqs)
+            fixed = overhead.per_step_seconds(num_reqs) + self._draft_seconds(num_reqs)
             per_draft = overhead.per_draft_seconds
         if use_triton(survival):
             stats = proposal_stats(

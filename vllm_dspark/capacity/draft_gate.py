@@ -12,15 +12,15 @@ per second of drafting and verifying j positions per request is
     R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j),      j = 1..depth,
 
 against R / (1 / SPS(R) + O) without drafting, O and b being the step's time outside the
-curve, per step and per verified draft (:mod:`step_overhead`). The gate drafts when the
-best j wins, with a 2% hysteresis either way so that noise does not flip it every step. A
-skipped proposal still lets the drafter store its context K/V (later proposals need it)
-and verifies no draft: the next step's budget is 0 and vLLM runs R tokens, as without
-speculation. While the gate is closed the survival statistics keep their last values, so
-it reopens as load leaves (smaller R); and every ``PROBE_EVERY`` skipped proposals in a
-row it drafts one anyway, so that survivals which were low when it closed (or the first
-steps' guesses) are measured again rather than kept for good. Host arithmetic on values
-every rank reads alike: every tensor-parallel rank decides the same.
+curve, per step (at R requests) and per verified draft (:mod:`step_overhead`). The gate
+drafts when the best j wins, with a 2% hysteresis either way so that noise does not flip
+it every step. A skipped proposal still lets the drafter store its context K/V (later
+proposals need it) and verifies no draft: the next step's budget is 0 and vLLM runs R
+tokens, as without speculation. While the gate is closed the survival statistics keep
+their last values, so it reopens as load leaves (smaller R); and every ``PROBE_EVERY``
+skipped proposals in a row it drafts one anyway, so that survivals which were low when it
+closed (or the first steps' guesses) are measured again rather than kept for good. Host
+arithmetic on values every rank reads alike: every tensor-parallel rank decides the same.
 """
 
 from __future__ import annotations
