@@ -47,6 +47,7 @@ from vllm_dspark.verify.compact_graphs import (
     replays_varlen_graphs,
 )
 from vllm_dspark.verify.compaction import compact_layout, compact_seq_lens, compact_tokens
+from vllm_dspark.verify.compaction_kernel import compact_on_device
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
@@ -155,8 +156,6 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     buffers = runner.input_buffers
     capacity = speculator.verify_capacity(batch.idx_mapping, budget)
     if use_triton(buffers.input_ids):
-        from vllm_dspark.verify.compaction_kernel import compact_on_device
-
         expanded_idx, local_pos, logits_indices = compact_on_device(
             capacity,
             num_drafts,
