@@ -34,12 +34,7 @@ def survivals(num_reqs: int, generator: torch.Generator) -> torch.Tensor:
 
 def check_kernel_against_definitions(case, device: torch.device) -> None:
     """Also run on a GPU by tests/gpu/test_capacity_kernels_gpu.py."""
-    from vllm_dspark.capacity.proposal_kernel import (
-        POSITION_SUMS,
-        SPS_COUNT,
-        THRESHOLD_COUNT,
-        proposal_stats,
-    )
+    from vllm_dspark.capacity.proposal_kernel import proposal_stats
 
     num_reqs, fixed, per_draft = case
     survival = survivals(num_reqs, torch.Generator().manual_seed(num_reqs))
@@ -47,11 +42,11 @@ def check_kernel_against_definitions(case, device: torch.device) -> None:
     table = sps_table_from_curve(curve, MAX_NUM_REQS * (1 + K))
     stats = proposal_stats(
         survival.to(device), table.to(device), fixed, per_draft, 0.4, MAX_NUM_REQS
-    ).cpu()
-    assert stats[SPS_COUNT] == sps_best_count(survival, table, fixed, per_draft)
-    assert stats[THRESHOLD_COUNT] == threshold_count(survival, 0.4)
+    )
+    assert stats.sps_count.item() == sps_best_count(survival, table, fixed, per_draft)
+    assert stats.threshold_count.item() == threshold_count(survival, 0.4)
     sums = survival.clamp(min=0).sum(dim=0)
-    assert torch.allclose(stats[POSITION_SUMS:], sums, rtol=1e-6)
+    assert torch.allclose(stats.position_sums.cpu(), sums, rtol=1e-6)
 
 
 @interpreted
@@ -62,12 +57,12 @@ def test_interpreted_kernel_matches_the_definitions(case):
 
 @interpreted
 def test_interpreted_kernel_without_an_sps_table_counts_the_threshold():
-    from vllm_dspark.capacity.proposal_kernel import THRESHOLD_COUNT, proposal_stats
+    from vllm_dspark.capacity.proposal_kernel import proposal_stats
 
     survival = survivals(5, torch.Generator().manual_seed(0))
     stats = proposal_stats(survival, None, 0.0, 0.0, 0.4, MAX_NUM_REQS)
-    assert stats.shape == (2 + K,)
-    assert stats[THRESHOLD_COUNT] == threshold_count(survival, 0.4)
+    assert stats.position_sums.shape == (K,)
+    assert stats.threshold_count.item() == threshold_count(survival, 0.4)
 
 
 def check_records(engine_config, model_dirs, mode: str) -> None:

@@ -31,12 +31,7 @@ from vllm_dspark.capacity.allocation import (
 )
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
-from vllm_dspark.capacity.proposal_kernel import (
-    POSITION_SUMS,
-    SPS_COUNT,
-    THRESHOLD_COUNT,
-    proposal_stats,
-)
+from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
@@ -361,7 +356,8 @@ class CapacityControl:
                 threshold,
                 self.max_num_reqs,
             )
-            sums, wanted = stats[POSITION_SUMS:], stats[SPS_COUNT if sps else THRESHOLD_COUNT]
+            sums = stats.position_sums
+            wanted = stats.sps_count if sps else stats.threshold_count
         else:
             sums = survival.clamp(min=0).sum(dim=0)
             if sps:

@@ -13,12 +13,15 @@ tests use.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 # Layout of the kernel's output: [sps count, threshold count, per-position sums...].
-SPS_COUNT, THRESHOLD_COUNT, POSITION_SUMS = 0, 1, 2
+# constexpr: a compiled kernel may read no other module globals (the interpreter would).
+SPS_COUNT, THRESHOLD_COUNT, POSITION_SUMS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -63,6 +66,14 @@ def _proposal_stats_kernel(
     tl.store(out_ptr + SPS_COUNT, tl.where(none >= best, 0, best_index + 1).to(tl.float32))
 
 
+class ProposalStats(NamedTuple):
+    """Views of the kernel's output, all on the device (fp32)."""
+
+    sps_count: torch.Tensor  # 0-d; unwritten without an SPS table
+    threshold_count: torch.Tensor  # 0-d
+    position_sums: torch.Tensor  # [K]
+
+
 def proposal_stats(
     survival: torch.Tensor,
     sps_table: torch.Tensor | None,
@@ -70,12 +81,11 @@ def proposal_stats(
     per_draft_seconds: float,
     threshold: float,
     max_num_reqs: int,
-) -> torch.Tensor:
-    """[sps count, threshold count, per-position survival sums] (fp32, on the device) of
-    one proposal's survivals [R, K], R <= ``max_num_reqs`` (without an SPS table the sps
-    count is left unwritten)."""
+) -> ProposalStats:
+    """The sps count, threshold count and per-position survival sums of one proposal's
+    survivals [R, K], R <= ``max_num_reqs``."""
     num_reqs, num_drafts = survival.shape
-    out = torch.empty(POSITION_SUMS + num_drafts, dtype=torch.float32, device=survival.device)
+    out = torch.empty(POSITION_SUMS.value + num_drafts, dtype=torch.float32, device=survival.device)
     _proposal_stats_kernel[(1,)](
         survival,
         survival.stride(0),
@@ -90,4 +100,6 @@ def proposal_stats(
         BLOCK_K=triton.next_power_of_2(num_drafts),
         WITH_SPS=sps_table is not None,
     )
-    return out
+    return ProposalStats(
+        out[SPS_COUNT.value], out[THRESHOLD_COUNT.value], out[POSITION_SUMS.value :]
+    )
