@@ -4,6 +4,7 @@ through the PyTorch layout, and through the Triton kernel under Triton's interpr
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from triton_interpreter import interpreted, run_interpreted
@@ -370,6 +371,49 @@ def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compac
     finally:
         patch._step_budget_var.reset(token)
     assert calls == [(2, 16, 1 + K), (2, 7, None)]
+
+
+def test_compact_graphs_are_captured_on_queries_as_long_as_a_compacted_steps(monkeypatch):
+    """FlashAttention 3 fixes its causal mask and kernel at capture from the longest query:
+    a compact graph must not be captured on one-token queries (vLLM's dummy layout for a
+    graph of at most max_num_seqs tokens), nor vLLM's own graphs on anything but theirs."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_dspark.patches import compact_verification as patch
+
+    monkeypatch.setattr(patch, "replays_varlen_graphs", lambda vllm_config: True)
+    stock_make_dummy = InputBatch.make_dummy.__func__
+    wrapped = classmethod(patch._make_dummy_batch_wrapper(stock_make_dummy))
+    monkeypatch.setattr(InputBatch, "make_dummy", wrapped)
+    manager = fake_graph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    patch._make_candidates_wrapper(lambda m: None)(manager)
+    compact = getattr(manager, patch.COMPACT_GRAPHS_ATTR)
+    buffers = InputBuffers(max_num_reqs=4, max_num_tokens=32, device=torch.device("cpu"))
+    layouts = {}
+
+    def create_forward_fn(desc, warmup):
+        batch = InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, buffers)
+        query_start_loc = buffers.query_start_loc[: desc.num_reqs + 1].tolist()
+        assert query_start_loc == [0, *np.cumsum(batch.num_scheduled_tokens)]
+        assert buffers.seq_lens[: desc.num_reqs].tolist() == batch.num_scheduled_tokens.tolist()
+        assert batch.seq_lens_cpu_upper_bound.tolist() == batch.num_scheduled_tokens.tolist()
+        layouts[desc] = batch.num_scheduled_tokens.tolist()
+
+    def stock_capture(manager, create_forward_fn):
+        for desc in manager._capture_descs[CUDAGraphMode.FULL]:
+            create_forward_fn(desc, warmup=False)
+
+    patch._make_capture_wrapper(stock_capture)(manager, create_forward_fn)
+    by_size = {(desc.num_tokens, desc in compact): layout for desc, layout in layouts.items()}
+    assert by_size == {
+        (32, True): [8, 8, 8, 8],
+        (16, False): [8, 8],  # vLLM's uniform decode graph, as vLLM lays it out
+        (16, True): [8, 8, 0, 0],  # vLLM's dummy: [4, 4, 4, 4]
+        (8, True): [8, 0, 0, 0],  # vLLM's dummy: [2, 2, 2, 2]
+    }
+    # Outside a compact graph's capture the dummy batch is vLLM's.
+    assert InputBatch.make_dummy(4, 8, buffers).num_scheduled_tokens.tolist() == [2, 2, 2, 2]
 
 
 @pytest.mark.parametrize(

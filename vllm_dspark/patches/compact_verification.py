@@ -3,8 +3,11 @@
 What: wraps three names of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``):
 ``GPUModelRunner.execute_model``, where the step's admission budget B is decided on the
 host; ``dispatch_cg_and_sync_dp``, which picks the CUDA graph from the step's token count;
-and ``GPUModelRunner.prepare_inputs``; and one of ``vllm.v1.worker.gpu.cudagraph_utils``:
-``ModelCudaGraphManager._init_candidates``, which lists the target's graphs to capture. In a
+and ``GPUModelRunner.prepare_inputs``; two of ``vllm.v1.worker.gpu.cudagraph_utils``:
+``ModelCudaGraphManager._init_candidates``, which lists the target's graphs to capture, and
+``CudaGraphManager.capture``, which captures them; and ``InputBatch.make_dummy``, whose
+dummy batch a compact graph is captured on with queries of up to 1 + K tokens
+(:func:`vllm_dspark.verify.compact_graphs.capture_query_lengths`). In a
 decode-only step (every request with its K drafts) of a runner whose speculator controls
 capacity, the dispatch is asked for the compact R + B tokens instead of R * (1 + K) and
 replays the smallest FULL variable-length graph that holds them
@@ -42,6 +45,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
 from vllm_dspark.triton_path import use_triton
 from vllm_dspark.verify.compact_graphs import (
+    capture_query_lengths,
     compact_graph_descriptors,
     pick_compact_graph,
     replays_varlen_graphs,
@@ -51,10 +55,15 @@ from vllm_dspark.verify.compaction_kernel import compact_on_device
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
+BATCH_MODULE = "vllm.v1.worker.gpu.input_batch"
 # Set on the target's graph manager: its FULL variable-length descriptors, smallest first.
 COMPACT_GRAPHS_ATTR = "dspark_compact_graphs"
 # The admission budget of the step ``execute_model`` is running, if it is compacted.
 _step_budget_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_budget", default=None)
+# While a compact graph's inputs are prepared for capture: its longest query (1 + K).
+_capture_query_len_var: ContextVar[int | None] = ContextVar(
+    "vllm_dspark_capture_query_len", default=None
+)
 
 
 def _step_budget(runner, scheduler_output) -> int | None:
@@ -144,6 +153,48 @@ def _make_candidates_wrapper(init_candidates):
     return init_candidates_with_compact_graphs
 
 
+def _make_capture_wrapper(capture):
+    def capture_with_decode_queries(manager, create_forward_fn, *args, **kwargs):
+        compact = getattr(manager, COMPACT_GRAPHS_ATTR, ())
+        if not compact:
+            return capture(manager, create_forward_fn, *args, **kwargs)
+
+        def create_forward_fn_for(desc, warmup):
+            query_len = manager.decode_query_len if desc in compact else None
+            token = _capture_query_len_var.set(query_len)
+            try:
+                return create_forward_fn(desc, warmup)
+            finally:
+                _capture_query_len_var.reset(token)
+
+        return capture(manager, create_forward_fn_for, *args, **kwargs)
+
+    return capture_with_decode_queries
+
+
+def _make_dummy_batch_wrapper(make_dummy):
+    def make_dummy_with_decode_queries(cls, *args, **kwargs):
+        batch = make_dummy(cls, *args, **kwargs)
+        query_len = _capture_query_len_var.get()
+        if query_len is None:
+            return batch
+        lengths = capture_query_lengths(batch.num_reqs, batch.num_tokens, query_len)
+        query_start_loc_np = np.zeros(batch.num_reqs + 1, dtype=np.int32)
+        np.cumsum(lengths, out=query_start_loc_np[1:])
+        # Fresh-prefill shape as in vLLM's dummy: each sequence is its query.
+        batch.seq_lens.copy_(torch.from_numpy(lengths))
+        batch.query_start_loc.copy_(torch.from_numpy(query_start_loc_np))
+        return dataclasses.replace(
+            batch,
+            num_scheduled_tokens=lengths,
+            query_start_loc_np=query_start_loc_np,
+            seq_lens_cpu_upper_bound=torch.from_numpy(lengths.copy()),
+            logits_indices=batch.query_start_loc[1:] - 1,
+        )
+
+    return make_dummy_with_decode_queries
+
+
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     """The stock uniform batch rewritten to its compact layout of R + budget tokens
     (``from_graph``: the step replays a FULL graph, counted for the metrics). On a GPU one
@@ -220,5 +271,7 @@ def apply() -> None:
     wrap(runner, "execute_model", _make_execute_wrapper)
     wrap(runner_module, "dispatch_cg_and_sync_dp", _make_dispatch_wrapper)
     wrap(runner, "prepare_inputs", _make_prepare_wrapper)
-    graph_manager = sys.modules[GRAPHS_MODULE].ModelCudaGraphManager
-    wrap(graph_manager, "_init_candidates", _make_candidates_wrapper)
+    graphs_module = sys.modules[GRAPHS_MODULE]
+    wrap(graphs_module.ModelCudaGraphManager, "_init_candidates", _make_candidates_wrapper)
+    wrap(graphs_module.CudaGraphManager, "capture", _make_capture_wrapper)
+    wrap(sys.modules[BATCH_MODULE].InputBatch, "make_dummy", _make_dummy_batch_wrapper)

@@ -10,6 +10,18 @@ min(T, max_num_seqs) requests serves any compacted batch with R <= that many req
 and R + B <= T tokens (padded requests get empty queries, padded tokens write nowhere).
 One graph per captured size T; a step takes the smallest that fits.
 
+What FlashAttention 3 does not read at replay is fixed at capture from the host's maximum
+query length: with a maximum of 1 it drops the causal mask for head sizes other than 128
+(a one-token query has nothing to mask), and the tile kernel it picks depends on it. vLLM
+captures a T-token graph for min(T, max_num_seqs) requests on T // R tokens each, so a
+graph of at most max_num_seqs tokens would be captured with one-token queries and replay
+compacted queries of up to 1 + K tokens without their causal mask. That fits what the H200
+showed on the embedded pair (head size 64): bf16 outputs diverged beyond ties only with
+FULL compact graphs, late in the outputs, where finished requests leave batches small
+enough for those graphs (benchmarks/results/pair_arms_bf16.json). Compact graphs are
+therefore captured on :func:`capture_query_lengths`, whose longest query is 1 + K, the
+maximum a compacted step's metadata carries.
+
 Other backends bake more of the batch into a graph (Triton attention picks its kernel
 split from the query lengths seen at capture), so with them compacted steps run as vLLM
 runs any mixed batch: PIECEWISE graphs with attention between the pieces.
@@ -17,6 +29,7 @@ runs any mixed batch: PIECEWISE graphs with attention between the pieces.
 
 from __future__ import annotations
 
+import numpy as np
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
@@ -61,3 +74,17 @@ def pick_compact_graph(
         if desc.num_tokens >= num_tokens and desc.num_reqs >= num_reqs and desc in captured:
             return desc
     return None
+
+
+def capture_query_lengths(num_reqs: int, num_tokens: int, query_len: int) -> np.ndarray:
+    """Tokens per request of the dummy batch a compact graph is captured on: ``query_len``
+    each from the first request, the remainder on the next, then empty queries (as padded
+    requests have at replay). Needs num_tokens <= num_reqs * query_len."""
+    if not 0 < num_tokens <= num_reqs * query_len:
+        raise ValueError(f"{num_tokens} tokens do not fit {num_reqs} queries of {query_len}")
+    full, rest = divmod(num_tokens, query_len)
+    lengths = np.zeros(num_reqs, dtype=np.int32)
+    lengths[:full] = query_len
+    if rest:
+        lengths[full] = rest
+    return lengths
