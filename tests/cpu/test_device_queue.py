@@ -48,3 +48,11 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
     queue("wait", "30")
     with tarfile.open(out / "results.tar.gz") as archive:
         assert any(name.startswith("results/again-") for name in archive.getnames())
+    # A failing gate (a trailing !) stops the queue; a passing one does not.
+    queue("start", "abc123", "gate!", "bad!", "never")
+    queue("wait", "30")
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+        log = archive.extractfile("results/queue.log").read().decode()
+    assert "gate! rc=0" in log and "queue stopped: bad! failed" in log
+    assert not any(name.startswith("results/never-") for name in names)

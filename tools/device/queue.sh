@@ -4,14 +4,16 @@
 # 10-minute limit. Device time counts while the machine is held, busy or not: queue the
 # session's work once, then keep calling `wait` back to back.
 #
-#   bash tools/device/queue.sh start COMMIT STAGE[:ARG[:ARG]] ...   # returns at once
+#   bash tools/device/queue.sh start COMMIT STAGE[:ARG[:ARG]][!] ...  # returns at once
 #   bash tools/device/queue.sh wait SECONDS   # until the queue ends or SECONDS pass, then
 #                                             # packs every result so far into $OUT
 #
 # `start` copies the tree to /tmp/queue/tree first (QUEUE_ROOT overrides /tmp/queue): each
 # device call brings a fresh copy of the repository, which must not change under a running
 # stage. Each stage writes into /tmp/queue/results/STAGE-N/ (its $OUT) and logs to
-# /tmp/queue/log. `wait` returns one archive, results.tar.gz (the device returns at most 8
+# /tmp/queue/log. A stage written with a trailing ! gates the rest: when it fails, the
+# queue stops there (so a broken build does not spend the session's device time); give the
+# machine back then. `wait` returns one archive, results.tar.gz (the device returns at most 8
 # files), and prints the log's tail. The device copy has no .git: name the commit.
 set -u
 cmd=${1:?usage: queue.sh start COMMIT STAGE... | wait SECONDS}
@@ -32,12 +34,15 @@ case "$cmd" in
     cd "$root/tree" || exit 1
     n=$(ls "$root/results" | wc -l)  # a later queue adds to the earlier results
     for item in "$@"; do
-      n=$((n + 1)); IFS=: read -r stage arg1 arg2 <<< "$item"
+      n=$((n + 1)); IFS=: read -r stage arg1 arg2 <<< "${item%!}"
       out="$root/results/$stage-$n"; mkdir -p "$out"
       echo "== $(date +%T) $item" >> "$root/log"
       OUT=$out bash tools/device/gpu_stage.sh "$stage" "$commit" ${arg1:+"$arg1"} \
         ${arg2:+"$arg2"} >> "$root/log" 2>&1
       rc=$?; echo "== $(date +%T) $item rc=$rc" >> "$root/log"
+      if [ "$rc" != 0 ] && [ "$item" != "${item%!}" ]; then
+        echo "== $(date +%T) queue stopped: $item failed" >> "$root/log"; break
+      fi
     done
     rm -f "$root/running"
     ;;

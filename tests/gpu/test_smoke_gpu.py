@@ -1,0 +1,33 @@
+"""A minute's check that a long GPU queue is worth starting: one bf16 engine of the
+embedded pair with every capacity option (FULL compact graphs under FlashAttention 3, the
+SPS curve profiled at start-up, dynamic depth, online STS) starts, verifies compacted steps
+inside its graphs and finishes every prompt. ``tools/device/gpu_stage.sh smoke`` runs it
+first; the queue stops when it fails (an H200 session once spent its device time on stages
+whose engines all failed to start on one compile error)."""
+
+import pytest
+from gpu_options import EVERY_CAPACITY_OPTION
+from pair_probe import run_pair
+
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
+]
+NUM_PROMPTS, MAX_TOKENS = 32, 64
+
+
+def test_every_capacity_option_runs_compacted_steps_in_full_graphs():
+    prompts = [prompt[:64] for prompt in load_prompts(num_prompts=NUM_PROMPTS)]
+    result = run_pair(
+        EVERY_CAPACITY_OPTION,
+        dtype="bfloat16",
+        prompts=prompts,
+        max_tokens=MAX_TOKENS,
+        timeout=400,
+    )
+    assert [len(ids) for ids in result["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS
+    admission = result["admission"]
+    assert admission["steps"] > 0, admission
+    assert admission["graph_steps"] > 0, admission
