@@ -15,10 +15,11 @@
 #            argument selects)
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
-#   capacity-fixed / capacity-controlled
-#            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence:
-#            no speculation, fixed k=7, Dynamic SD (three engines) / budget, threshold,
-#            sps (curve profiled at start-up), sps with dynamic depth (one shared engine)
+#   capacity-qwen3
+#            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence,
+#            one run: no speculation, fixed k=7, Dynamic SD (three engines), then budget,
+#            threshold, sps (curve profiled at start-up), sps with dynamic depth (one shared
+#            engine); ~12 min, longer than one call: run it from tools/device/queue.sh
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
 #            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
@@ -99,13 +100,11 @@ case "$stage" in
     timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --shape qwen3-8b --out "$OUT/sps_curve_qwen3_8b.json" 2>&1 | quiet | tail -40
     cp "$OUT/sps_curve_qwen3_8b.json" /tmp/sps_curve_qwen3_8b.json
     ;;
-  capacity-fixed|capacity-controlled)
+  capacity-qwen3)
     vllm_env
-    arms=nospec,dspark,dynamic-sd
-    [ "$stage" = capacity-controlled ] && arms=budget,threshold,sps,sps-depth
-    timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms "$arms" --concurrency 1,16,64,256 --shared-engine --out "$OUT/$stage.json" \
-      2>&1 | quiet | tail -14
+    timeout 1300 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
+      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -30
     ;;
   depth)
     vllm_env
