@@ -16,6 +16,12 @@ pytestmark = [
     pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
 ]
 NUM_PROMPTS, MAX_TOKENS = 32, 64
+# Arms of the one engine (started with every option): sps exercises the proposal kernel
+# and the draft gate; budget surely compacts (sps may admit every draft, or none).
+ARMS = {
+    "sps": {"capacity": "sps", "varlen_verify": True, "dynamic_depth": True},
+    "budget": {"capacity": "budget", "budget_frac": 0.5, "varlen_verify": True},
+}
 
 
 def test_every_capacity_option_runs_compacted_steps_in_full_graphs():
@@ -25,9 +31,11 @@ def test_every_capacity_option_runs_compacted_steps_in_full_graphs():
         dtype="bfloat16",
         prompts=prompts,
         max_tokens=MAX_TOKENS,
+        switch=[[name, updates] for name, updates in ARMS.items()],
         timeout=400,
     )
-    assert [len(ids) for ids in result["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS
-    admission = result["admission"]
-    assert admission["steps"] > 0, admission
-    assert admission["graph_steps"] > 0, admission
+    for name, arm in result["arms"].items():
+        assert [len(ids) for ids in arm["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS, name
+    sps, budget = result["arms"]["sps"]["admission"], result["arms"]["budget"]["admission"]
+    assert sps["proposed"] > 0, sps
+    assert budget["steps"] > 0 and budget["graph_steps"] == budget["steps"], budget
