@@ -15,8 +15,10 @@ confidences around the same conditional rates and accepts each draft with its co
 confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with real
 verification (DSpark arms only). ``--shared-engine`` runs the DSpark capacity arms in one
 engine, started with what they all need and switched between arms
-(:mod:`vllm_dspark.engine_control`); their rows name that engine. The JSON is written after
-every engine, so a later failure keeps the rows already measured.
+(:mod:`vllm_dspark.engine_control`); their rows name that engine. ``--tensor-parallel-size``
+runs every engine on that many GPUs; each speculating row then says whether every rank's
+admissions were identical (``ranks_agree``: the ranks must verify the same batches). The
+JSON is written after every engine, so a later failure keeps the rows already measured.
 """
 
 from __future__ import annotations
@@ -89,11 +91,14 @@ def capture_sizes(graphs_to: int) -> list[int]:
     return [size for size in (*default, *LARGE_CAPTURE_SIZES) if size <= graphs_to]
 
 
-def engine_kwargs(target: str, dummy: bool = True, graphs_to: int | None = None) -> dict:
+def engine_kwargs(
+    target: str, dummy: bool = True, graphs_to: int | None = None, tensor_parallel_size: int = 1
+) -> dict:
     """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
     capture CUDA graphs up to that many tokens per step instead of vLLM's 512."""
     kwargs = dict(
         model=target,
+        tensor_parallel_size=tensor_parallel_size,
         load_format="dummy" if dummy else "auto",
         skip_tokenizer_init=dummy,
         dtype="bfloat16",
@@ -126,7 +131,7 @@ def run_arm_here(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_dspark.engine_control import switch_capacity
-    from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts
+    from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts_per_rank
 
     speculative = None
     if spec["options"] is not None:
@@ -147,7 +152,12 @@ def run_arm_here(spec: dict) -> None:
         # admission_counts() reads the speculator's counters in the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
-        **engine_kwargs(spec["target"], spec["dummy"], spec.get("graphs_to")),
+        **engine_kwargs(
+            spec["target"],
+            spec["dummy"],
+            spec.get("graphs_to"),
+            spec.get("tensor_parallel_size", 1),
+        ),
         speculative_config=speculative,
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
@@ -159,8 +169,8 @@ def run_arm_here(spec: dict) -> None:
     llm.generate(prompts(8, 0), params, use_tqdm=False)
     speculating = speculative is not None
 
-    def admission() -> AdmissionCounts:
-        return admission_counts(llm) if speculating else AdmissionCounts()
+    def admission_per_rank() -> list[AdmissionCounts]:
+        return admission_counts_per_rank(llm) if speculating else [AdmissionCounts()]
 
     # One arm, or (--shared-engine) several capacity arms switched in this engine.
     for name, updates in spec.get("switch") or [[None, None]]:
@@ -173,7 +183,7 @@ def run_arm_here(spec: dict) -> None:
             # concurrency would otherwise count.
             llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
             before = SpecDecodeCounts.from_metrics(llm.get_metrics())
-            admitted_before = admission()
+            admitted_before = admission_per_rank()
             tok_s = []
             for repeat in range(spec["repeats"]):
                 # Offsets 7 apart: no repeat's prompt starts like an earlier one's (no cache).
@@ -185,7 +195,11 @@ def run_arm_here(spec: dict) -> None:
                 tok_s.append(round(tokens / seconds, 1))
             # Counters over every repeat; throughput the median repeat's.
             counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
-            admitted = admission() - admitted_before
+            per_rank = [
+                after - before
+                for after, before in zip(admission_per_rank(), admitted_before, strict=True)
+            ]
+            admitted = per_rank[0]
             row = {
                 "concurrency": concurrency,
                 "tok_s": statistics.median(tok_s),
@@ -196,6 +210,8 @@ def run_arm_here(spec: dict) -> None:
                 "admission": asdict(admitted),
                 "spec_decode": asdict(counts),
             }
+            if speculating and len(per_rank) > 1:
+                row["ranks_agree"] = all(counts == admitted for counts in per_rank)
             print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
 
 
@@ -242,6 +258,7 @@ def main() -> int:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per concurrency (the median counts)"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -280,6 +297,7 @@ def main() -> int:
             "concurrency": [int(c) for c in args.concurrency.split(",")],
             "graphs_to": args.graphs_to,
             "repeats": args.repeats,
+            "tensor_parallel_size": args.tensor_parallel_size,
         }
         done = subprocess.run(
             [sys.executable, __file__, "--out", str(args.out), "--arm-spec", json.dumps(spec)],

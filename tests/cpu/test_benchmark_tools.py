@@ -145,6 +145,52 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(monkeypatch, capsys):
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
 
 
+def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
+    import types
+
+    import offline_sweep
+    import vllm
+
+    from vllm_dspark.metrics import AdmissionCounts
+
+    reads = iter(range(100))
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            assert kwargs["tensor_parallel_size"] == 2
+
+        def generate(self, prompts, params, use_tqdm=False):
+            output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
+            return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
+
+        def get_metrics(self):
+            return []
+
+        def collective_rpc(self, method):
+            # Reads before and after each concurrency: rank 1 admits one draft more than
+            # rank 0 during the second (between reads 2 and 3).
+            read = next(reads)
+            return [{"admitted": read}, {"admitted": read + (read >= 3)}]
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    spec = {
+        "options": {},
+        "target": "t",
+        "draft": "d",
+        "dummy": False,
+        "prompt_len": 8,
+        "output_len": 4,
+        "concurrency": [1, 2],
+        "repeats": 1,
+        "switch": None,
+        "tensor_parallel_size": 2,
+    }
+    offline_sweep.run_arm_here(spec)
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if "ROW " in line]
+    assert [row["ranks_agree"] for row in rows] == [True, False]
+    assert rows[0]["admission"] == dict(vars(AdmissionCounts(admitted=1)))
+
+
 def test_dynamic_sd_table_takes_the_best_measured_k_per_batch_size():
     from tune_dynamic_sd import decode_ratios, table_from_ratios
 

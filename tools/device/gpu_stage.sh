@@ -28,7 +28,8 @@
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
 #            fourth, graphs up to that many tokens per step (--graphs-to)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
-#            speculation (vLLM; run on kind nvidia-h200-x2 or -x4)
+#            speculation, then setup (b)'s capacity sweep at TP 2 with every rank's
+#            admissions compared (vLLM; run on kind nvidia-h200-x2 or -x4, from the queue)
 #   soak     2,000 requests, preemption, aborts, every capacity option, against no
 #            speculation (vLLM; two engines, float32)
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
@@ -130,7 +131,11 @@ case "$stage" in
     ;;
   tp)
     vllm_env; use_recalibrated
-    timeout 580 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
+    timeout 900 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
+    timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
+      --tensor-parallel-size 2 --concurrency 1,16,64,256 --out "$OUT/capacity_tp2.json" \
+      2>&1 | quiet | tail -30
     ;;
   soak)
     vllm_env; use_recalibrated
