@@ -15,7 +15,9 @@ verification), on drafts accepted with their own synthetic confidence around the
 profile; their steps verify any number of drafts (``verified_tokens_median``), and a
 proposal the draft gate skips counts with its context-KV work only. ``conf-k7`` is their
 like-for-like baseline: fixed k=7 on the same per-draft acceptance, whose own host work
-the sps arms also pay. For each concurrency c (default 1, 64, 256) the arm runs c prompts
+the sps arms also pay. ``fp8-k1`` / ``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the
+plugin's rowwise FP8 draft LM head (``dspark_fp8_draft_head``): that head's share of the
+drafter's cost. For each concurrency c (default 1, 64, 256) the arm runs c prompts
 of 128 tokens, 128 output tokens each, all submitted at once, once unrecorded (warm-up)
 and once recorded.
 
@@ -138,16 +140,21 @@ SHAPE = "qwen3-8b"
 # with compact verification, each draft accepted with its own synthetic confidence drawn
 # around the same acceptance profile (offline_sweep's --acceptance confidence).
 # "confidence": fixed k with that same acceptance and no capacity control, the sps arms'
-# like-for-like baseline (the per-draft acceptance has host work of its own).
+# like-for-like baseline (the per-draft acceptance has host work of its own). The third
+# field: further speculative-config keys (fp8-k*: DSpark k with the plugin's rowwise FP8
+# draft LM head, on the dspark-k* arms' acceptance).
+FP8_HEAD = {"dspark_fp8_draft_head": True}
 ARMS = {
-    "nospec": (0, "rates"),
-    "dspark-k1": (1, "rates"),
-    "dspark-k3": (3, "rates"),
-    "dspark-k7": (7, "rates"),
-    "conf-k7": (7, "confidence"),
-    "sps-k1": (1, "sps"),
-    "sps-k3": (3, "sps"),
-    "sps-k7": (7, "sps"),
+    "nospec": (0, "rates", {}),
+    "dspark-k1": (1, "rates", {}),
+    "dspark-k3": (3, "rates", {}),
+    "dspark-k7": (7, "rates", {}),
+    "fp8-k1": (1, "rates", FP8_HEAD),
+    "fp8-k3": (3, "rates", FP8_HEAD),
+    "conf-k7": (7, "confidence", {}),
+    "sps-k1": (1, "sps", {}),
+    "sps-k3": (3, "sps", {}),
+    "sps-k7": (7, "sps", {}),
 }
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).
@@ -876,16 +883,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 # Arms and engines.
 
 
-def speculative_config(k: int, draft: str, rates: str, acceptance: str = "rates") -> dict | None:
+def speculative_config(
+    k: int, draft: str, rates: str, acceptance: str = "rates", options: dict | None = None
+) -> dict | None:
     """DSpark with k drafts and vLLM's synthetic acceptance (the first k rates); with
     ``acceptance`` "confidence", drafts accepted with their own synthetic confidence
-    around the same rates; "sps", that and the plugin's sps mode."""
+    around the same rates; "sps", that and the plugin's sps mode. ``options``: further
+    keys (the plugin's)."""
     if k == 0:
         return None
     values = [float(r) for r in rates.split(",")]
     if len(values) < k:
         raise ValueError(f"--rates has {len(values)} values; k={k} needs {k}")
-    config = {"method": "dspark", "model": draft, "num_speculative_tokens": k}
+    config = {"method": "dspark", "model": draft, "num_speculative_tokens": k, **(options or {})}
     if acceptance != "rates":
         config["dspark_synthetic_confidence"] = conditional_rates(values[:k])
     if acceptance == "sps":
@@ -910,7 +920,9 @@ def run_arm_here(spec: dict) -> None:
     started = time.perf_counter()
     llm = LLM(
         **engine_kwargs(spec["target"], graphs_to=spec.get("graphs_to")),
-        speculative_config=speculative_config(k, spec["draft"], spec["rates"], spec["acceptance"]),
+        speculative_config=speculative_config(
+            k, spec["draft"], spec["rates"], spec["acceptance"], spec["options"]
+        ),
     )
     engine_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
@@ -1030,7 +1042,7 @@ def main() -> int:
         "shadow": {"steps": args.shadow_steps, "repeats": args.shadow_repeats},
     }
     for arm in arms:
-        k, acceptance = ARMS[arm]
+        k, acceptance, options = ARMS[arm]
         # Each DSpark arm's draft is written with block_size = k (module docstring).
         draft = write_shape(SHAPE, root / f"block{k}", block=k)["draft"] if k else None
         spec = {
@@ -1038,6 +1050,7 @@ def main() -> int:
             "draft": draft,
             "k": k,
             "acceptance": acceptance,
+            "options": options,
             "graphs_to": args.graphs_to,
             "host_profile": args.host_profile,
             "rates": args.rates,

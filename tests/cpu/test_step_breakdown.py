@@ -470,6 +470,18 @@ def test_arms_build_v2_engine_configs(engine_config, tmp_path, k):
         )
 
 
+@pytest.mark.parametrize("arm", ["fp8-k1", "fp8-k3"])
+def test_fp8_arms_are_their_dspark_arm_with_the_fp8_head(engine_config, tmp_path, arm):
+    k, acceptance, options = sb.ARMS[arm]
+    assert sb.ARMS[f"dspark-k{k}"][:2] == (k, acceptance)
+    draft = write_shape("tiny", tmp_path, draft_layers=1, block=k)["draft"]
+    spec = sb.speculative_config(k, draft, DEFAULT_RATES, acceptance, options)
+    assert spec == sb.speculative_config(k, draft, DEFAULT_RATES) | {"dspark_fp8_draft_head": True}
+    # The plugin takes its key out and vLLM builds the rest.
+    config = engine_config(spec, max_model_len=2048, max_num_seqs=256)
+    assert config.speculative_config.num_speculative_tokens == k
+
+
 def test_vllm_checks_k_against_dspark_block_size_only(engine_config, tmp_path):
     """Why the docstring says k < 7 would start with the block-7 draft: vLLM 0.26.0 reads
     ``dspark_block_size``, not the Qwen3 DSpark config's ``block_size``."""
