@@ -149,7 +149,7 @@ def run_arm_here(spec: dict) -> None:
                     "synthetic_acceptance_rates": rates,
                 }
         speculative |= options
-        # admission_counts() reads the speculator's counters in the worker.
+        # admission_counts_per_rank() reads the speculators' counters in the workers.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
         **engine_kwargs(
