@@ -3,22 +3,25 @@
     python benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dspark,dspark-fp8 \
         --concurrency 1,16 --out benchmarks/results/fp8_e2e.json
 
-Each arm runs in a fresh process (`LLM()`, greedy, EOS ignored). For each concurrency
-c it submits c prompts of --prompt-len tokens at once, --output-len tokens each, after
-a warm-up at that concurrency, --repeats times with fresh prompts, and reports the median
-output tokens per second (each repeat's too) and the spec-decode counters of all
-repeats. ``--pair qwen3-8b`` uses dummy weights with synthetic acceptance derived from
-``--rates`` (per-position unconditional acceptance): ``--acceptance rates`` is vLLM's
-own (one fixed rate per position), ``--acceptance confidence`` draws per-draft
-confidences around the same conditional rates and accepts each draft with its confidence
-(``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have no
-confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with real
-verification (DSpark arms only). ``--shared-engine`` runs the DSpark capacity arms in one
-engine, started with what they all need and switched between arms
-(:mod:`vllm_dspark.engine_control`); their rows name that engine. ``--tensor-parallel-size``
-runs every engine on that many GPUs; each speculating row then says whether every rank's
-admissions were identical (``ranks_agree``: the ranks must verify the same batches). The
-JSON is written after every engine, so a later failure keeps the rows already measured.
+Each arm runs in a fresh process (`LLM()`, greedy, EOS ignored). For each concurrency c
+it submits c prompts of --prompt-len tokens at once, --output-len tokens each, after a
+warm-up at that concurrency, --repeats times with fresh prompts (below --min-requests,
+each repeat runs several such waves one after another), and reports the median output
+tokens per second (each repeat's too) and the spec-decode counters of all repeats; rows
+of ``sps`` arms add what the draft gate weighed (``gate``). ``--pair qwen3-8b`` uses
+dummy weights with synthetic acceptance derived from ``--rates`` (per-position
+unconditional acceptance): ``--acceptance rates`` is vLLM's own (one fixed rate per
+position), ``--acceptance confidence`` draws per-draft confidences around the same
+conditional rates and accepts each draft with its confidence
+(``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have
+no confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with
+real verification (DSpark arms only), on windows of its held-out text (``--prompts``).
+``--shared-engine`` runs the DSpark capacity arms in one engine, started with what they
+all need and switched between arms (:mod:`vllm_dspark.engine_control`); their rows name
+that engine. ``--tensor-parallel-size`` runs every engine on that many GPUs; each
+speculating row then says whether every rank's admissions were identical
+(``ranks_agree``: the ranks must verify the same batches). The JSON is written after
+every engine, so a later failure keeps the rows already measured.
 """
 
 from __future__ import annotations
@@ -113,12 +116,31 @@ def engine_kwargs(
     return kwargs
 
 
-def sweep_prompts(count: int, offset: int, prompt_len: int) -> list[dict]:
-    """``count`` token-id prompts of ``prompt_len`` tokens, distinct per ``offset``."""
+def sweep_prompts(
+    count: int, offset: int, prompt_len: int, stream: list[int] | None = None
+) -> list[dict]:
+    """``count`` token-id prompts of ``prompt_len`` tokens, distinct per ``offset``: windows
+    of ``stream`` (text the pair's drafter should know) 11 tokens apart, so that no two
+    share a first 16-token cache block; without a stream, arithmetic id sequences (dummy
+    weights predict nothing anyway)."""
+    if stream is None:
+        return [
+            {"prompt_token_ids": [3 + (13 * i + j + offset) % 4000 for j in range(prompt_len)]}
+            for i in range(count)
+        ]
+    starts = len(stream) - prompt_len
     return [
-        {"prompt_token_ids": [3 + (13 * i + j + offset) % 4000 for j in range(prompt_len)]}
-        for i in range(count)
+        {"prompt_token_ids": stream[start : start + prompt_len]}
+        for start in (11 * (offset * 131 + i) % starts for i in range(count))
     ]
+
+
+def heldout_stream() -> list[int]:
+    """The embedded pair's held-out prompts end to end: in-distribution text whose
+    confidences mean something (the arithmetic prompts are noise to a trained drafter)."""
+    from vllm_dspark.demo import load_prompts
+
+    return [token for prompt in load_prompts(num_prompts=10**6) for token in prompt]
 
 
 def conditional_rates(unconditional: list[float]) -> list[float]:
@@ -131,7 +153,12 @@ def run_arm_here(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_dspark.engine_control import switch_capacity
-    from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts_per_rank
+    from vllm_dspark.metrics import (
+        AdmissionCounts,
+        SpecDecodeCounts,
+        admission_counts_per_rank,
+        gate_inputs,
+    )
 
     speculative = None
     if spec["options"] is not None:
@@ -163,8 +190,10 @@ def run_arm_here(spec: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
+    stream = heldout_stream() if spec["prompts"] == "heldout" else None
+
     def prompts(count: int, offset: int):
-        return sweep_prompts(count, offset, spec["prompt_len"])
+        return sweep_prompts(count, offset, spec["prompt_len"], stream)
 
     llm.generate(prompts(8, 0), params, use_tqdm=False)
     speculating = speculative is not None
@@ -185,13 +214,19 @@ def run_arm_here(spec: dict) -> None:
             before = SpecDecodeCounts.from_metrics(llm.get_metrics())
             admitted_before = admission_per_rank()
             tok_s = []
+            # Below min_requests, a repeat is several waves of ``concurrency`` requests one
+            # after another: one 128-token request verifies too few drafts for its
+            # acceptance (and so its throughput) to be more than noise.
+            waves = -(-spec["min_requests"] // concurrency)
             for repeat in range(spec["repeats"]):
-                # Offsets 7 apart: no repeat's prompt starts like an earlier one's (no cache).
-                batch = prompts(concurrency, concurrency + 7 * repeat)
-                start = time.perf_counter()
-                outputs = llm.generate(batch, params, use_tqdm=False)
-                seconds = time.perf_counter() - start
-                tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+                tokens, seconds = 0, 0.0
+                for wave in range(waves):
+                    # Offsets 7 apart: no prompt starts like an earlier one's (no cache).
+                    batch = prompts(concurrency, concurrency + 7 * (repeat * waves + wave))
+                    start = time.perf_counter()
+                    outputs = llm.generate(batch, params, use_tqdm=False)
+                    seconds += time.perf_counter() - start
+                    tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
                 tok_s.append(round(tokens / seconds, 1))
             # Counters over every repeat; throughput the median repeat's.
             counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
@@ -212,6 +247,9 @@ def run_arm_here(spec: dict) -> None:
             }
             if speculating and len(per_rank) > 1:
                 row["ranks_agree"] = all(counts == admitted for counts in per_rank)
+            gate = gate_inputs(llm) if speculating else {}
+            if gate:
+                row["gate"] = gate
             print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
 
 
@@ -258,6 +296,18 @@ def main() -> int:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per concurrency (the median counts)"
     )
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=16,
+        help="requests per repeat at least: below it, waves of --concurrency one after another",
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=["heldout", "arithmetic"],
+        help="heldout: windows of the embedded pair's held-out text (default with --pair "
+        "embedded); arithmetic: id sequences (default with dummy weights)",
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
@@ -297,6 +347,8 @@ def main() -> int:
             "concurrency": [int(c) for c in args.concurrency.split(",")],
             "graphs_to": args.graphs_to,
             "repeats": args.repeats,
+            "min_requests": args.min_requests,
+            "prompts": args.prompts or ("heldout" if args.pair == "embedded" else "arithmetic"),
             "tensor_parallel_size": args.tensor_parallel_size,
         }
         done = subprocess.run(

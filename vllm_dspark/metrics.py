@@ -95,6 +95,7 @@ class AdmissionCounts:
     step_overhead_ms: float = 0.0
     per_request_overhead_us: float = 0.0
     per_draft_overhead_us: float = 0.0
+    skipped_proposal_ms: float = 0.0  # what a proposal the draft gate skips still costs
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -110,6 +111,7 @@ class AdmissionCounts:
             self.step_overhead_ms,
             self.per_request_overhead_us,
             self.per_draft_overhead_us,
+            self.skipped_proposal_ms,
         )
 
     @property
@@ -142,6 +144,7 @@ def _overhead(step_overhead) -> dict:
         "step_overhead_ms": round(step_overhead.seconds * 1e3, 4),
         "per_request_overhead_us": round(step_overhead.per_request_seconds * 1e6, 3),
         "per_draft_overhead_us": round(step_overhead.per_draft_seconds * 1e6, 3),
+        "skipped_proposal_ms": round(step_overhead.skip_seconds * 1e3, 4),
     }
 
 
@@ -155,3 +158,28 @@ def admission_counts(llm) -> AdmissionCounts:
 def admission_counts_per_rank(llm) -> list[AdmissionCounts]:
     """Every rank's admission counters (tensor parallelism: they must be identical)."""
     return [AdmissionCounts(**counts) for counts in llm.collective_rpc(_worker_admission)]
+
+
+def _worker_gate_inputs(worker) -> dict:
+    speculator = worker.model_runner.speculator
+    stale = getattr(speculator, "stale_survival", None)
+    if getattr(speculator, "draft_gate", None) is None or stale is None:
+        return {}
+    curve = speculator.profiled_sps_curve or []
+    return {
+        "gate_open": speculator.draft_gate.drafting,
+        "mean_survival": [round(s, 4) for s in stale.per_request()],
+        "sps_curve": [[int(t), sps] for t, sps in curve],
+        "draft_ms": {
+            depth: [[reqs, round(ms, 4)] for reqs, ms in rows]
+            for depth, rows in speculator.profiled_draft_ms.items()
+        },
+    }
+
+
+def gate_inputs(llm) -> dict:
+    """What ``sps``'s draft gate weighs now, on the first rank: whether it is open, the
+    recent mean prefix survival per position, the profiled SPS curve [T, steps/s] and
+    proposal times {depth: [R, ms]} (empty when no gate runs). Needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts."""
+    return llm.collective_rpc(_worker_gate_inputs)[0]

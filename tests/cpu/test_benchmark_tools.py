@@ -132,6 +132,8 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(monkeypatch, capsys):
         "output_len": 20,
         "concurrency": [2],
         "repeats": 3,
+        "min_requests": 1,
+        "prompts": "arithmetic",
         "switch": None,
     }
     offline_sweep.run_arm_here(spec)
@@ -167,6 +169,8 @@ def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
             return []
 
         def collective_rpc(self, method):
+            if method.__name__ == "_worker_gate_inputs":
+                return [{"gate_open": False, "mean_survival": [0.5]}] * 2
             # Reads before and after each concurrency: rank 1 admits one draft more than
             # rank 0 during the second (between reads 2 and 3).
             read = next(reads)
@@ -182,6 +186,8 @@ def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
         "output_len": 4,
         "concurrency": [1, 2],
         "repeats": 1,
+        "min_requests": 1,
+        "prompts": "arithmetic",
         "switch": None,
         "tensor_parallel_size": 2,
     }
@@ -189,6 +195,58 @@ def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
     rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if "ROW " in line]
     assert [row["ranks_agree"] for row in rows] == [True, False]
     assert rows[0]["admission"] == dict(vars(AdmissionCounts(admitted=1)))
+    assert rows[0]["gate"] == {"gate_open": False, "mean_survival": [0.5]}
+
+
+def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(monkeypatch, capsys):
+    import types
+
+    import offline_sweep
+    import vllm
+
+    from vllm_dspark.demo import load_prompts
+
+    batches = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            batches.append([p["prompt_token_ids"] for p in prompts])
+            output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
+            return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
+
+        def get_metrics(self):
+            return []
+
+    clock = iter(range(100))
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: float(next(clock)))
+    spec = {
+        "options": None,
+        "target": "t",
+        "dummy": False,
+        "prompt_len": 100,
+        "output_len": 10,
+        "concurrency": [2],
+        "repeats": 2,
+        "min_requests": 5,
+        "prompts": "heldout",
+        "switch": None,
+    }
+    offline_sweep.run_arm_here(spec)
+    row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
+    # Two warm-ups, then per repeat ceil(5 / 2) = 3 waves of 2 requests, each wave 1 s on
+    # the fake clock: 60 tokens in 3 s.
+    assert [len(batch) for batch in batches] == [8, 2] + [2] * 6
+    assert row["tok_s_repeats"] == [20.0, 20.0]
+    # Every prompt is a 100-token window of the held-out text, none starting alike.
+    stream = [token for prompt in load_prompts(num_prompts=10**6) for token in prompt]
+    text = " ".join(map(str, stream))
+    timed = [prompt for batch in batches[2:] for prompt in batch]
+    assert all(len(p) == 100 and " ".join(map(str, p)) in text for p in timed)
+    assert len({tuple(p[:16]) for p in timed}) == len(timed)
 
 
 def test_dynamic_sd_table_takes_the_best_measured_k_per_batch_size():

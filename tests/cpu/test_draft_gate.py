@@ -91,6 +91,7 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
 
     from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL
     from vllm_dspark.config import DSparkOptions
+    from vllm_dspark.metrics import _worker_gate_inputs
     from vllm_dspark.speculator import DSparkPluginSpeculator
 
     curve = [[1, 100.0], [16, 99.0], [128, 20.0]]
@@ -115,6 +116,14 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
     for _ in range(2):  # proposals whose drafts are rarely accepted
         speculator.record_proposal(torch.full((16, K), 0.05))
     assert not speculator.plan_proposal(16, K) and speculator.proposals_skipped == 1
+    # What the benchmarks report of it: closed, on these survivals and costs.
+    worker = SimpleNamespace(model_runner=SimpleNamespace(speculator=speculator))
+    assert _worker_gate_inputs(worker) == {
+        "gate_open": False,
+        "mean_survival": [0.05] * K,
+        "sps_curve": [],  # a given curve, not a profiled one
+        "draft_ms": {K: [[1, 0.1], [16, 12.0]]},
+    }
     assert speculator.plan_proposal(1, K)  # one request drafts cheaply: worth it again
     speculator.drafted_last = False
     assert speculator.admission_budget(16) == 0

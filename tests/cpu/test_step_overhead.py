@@ -46,8 +46,9 @@ def fitted(drafts, residuals) -> tuple[float, float]:
     """(O, b) of a window at one batch size."""
     fit = OverheadFit()
     fit.add(np.full(len(drafts), 64.0), drafts, residuals)
-    fixed, per_request, per_draft = fit.estimate()
+    fixed, per_request, per_draft, skip = fit.estimate()
     assert per_request == pytest.approx(0.0, abs=1e-12)  # the batch size never varied
+    assert skip == 0.0  # nothing was skipped
     return fixed, per_draft
 
 
@@ -67,7 +68,7 @@ def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
     fit = OverheadFit()
     fit.add(requests, drafts, 1e-3 + 1e-5 * drafts)
     fit.add(requests, np.full(WINDOW, 300.0), np.full(WINDOW, 1e-3 + 1e-5 * 300))
-    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5), rel=1e-3, abs=1e-12)
+    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5, 0.0), rel=1e-3, abs=1e-12)
 
 
 def test_the_fit_also_finds_the_time_per_request():
@@ -78,7 +79,20 @@ def test_the_fit_also_finds_the_time_per_request():
     drafts = np.floor(requests * rng.uniform(0, 7, WINDOW))
     fit = OverheadFit()
     fit.add(requests, drafts, 5e-4 + 8e-6 * requests + 3e-6 * drafts)
-    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6), rel=1e-2)
+    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6, 0.0), rel=1e-2)
+
+
+def test_the_fit_finds_what_a_skipped_proposal_costs():
+    # Skipped proposals (no draft verified after them) cost 1.5 ms on top of the 1 ms every
+    # step pays; drafted ones verify 16 to 112 drafts at 10 us each.
+    rng = np.random.default_rng(1)
+    skipped = (np.arange(WINDOW) % 3 == 0).astype(np.float64)
+    drafts = np.where(skipped == 1, 0.0, rng.integers(16, 113, WINDOW))
+    requests = np.full(WINDOW, 16.0)
+    fit = OverheadFit()
+    fit.add(requests, drafts, 1e-3 + 1e-5 * drafts + 1.5e-3 * skipped, skipped)
+    fixed, _, per_draft, skip = fit.estimate()
+    assert (fixed, per_draft, skip) == pytest.approx((1e-3, 1e-5, 1.5e-3), rel=2e-2)
 
 
 def test_the_measurement_follows_the_admission():
@@ -270,3 +284,39 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_co
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
         num_reqs, survival.mean(dim=0).tolist(), K
     )
+
+
+def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(engine_config, model_dirs):
+    """A tiny host-bound engine (the embedded pair at one request): a replayed proposal
+    takes 0.3 ms, but a step after a skipped one costs 1.5 ms more than the bare step. On
+    O alone the gate closes (drafting's expected tokens look too few for its cost); once
+    the skipped steps are measured, skipping is seen to cost more, and it drafts again."""
+    from test_compact_verification import K, build_speculator
+
+    num_reqs, fixed_s, draft_s, skip_s = 1, 2.5e-3, 3e-4, 1.5e-3
+    curve = [[1, 4000.0], [8, 3900.0], [256, 2000.0]]
+    speculator = build_speculator(
+        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
+    )
+    speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
+    clock = FakeClock()
+    speculator.step_overhead._clock = clock
+    # Rarely surviving drafts: with skipping free, one request gains too little from them.
+    survival = torch.cumprod(torch.full((num_reqs, K), 0.05), dim=1)
+    table = speculator.sps_table_host
+    drafted, decisions = True, []
+    for _ in range(16 * WINDOW):
+        budget = speculator.admission_budget(num_reqs)
+        speculator.step_tokens = num_reqs + budget
+        proposal = draft_s if drafted else skip_s
+        clock.now += 1 / float(table[num_reqs + budget]) + fixed_s + proposal
+        speculator.observe_step(num_reqs)
+        drafted = speculator.plan_proposal(num_reqs, K)
+        speculator.drafted_last = drafted
+        if drafted:
+            speculator.record_proposal(survival)
+        decisions.append(drafted)
+    overhead = speculator.step_overhead
+    assert overhead.skip_seconds == pytest.approx(skip_s, rel=0.05)
+    assert not all(decisions)  # it did close once, before skipping had been measured
+    assert all(decisions[-4 * WINDOW :])  # and drafts for good once it has

@@ -205,6 +205,7 @@ class CapacityControl:
             depth,
             overhead.per_step_seconds(num_reqs),
             overhead.per_draft_seconds,
+            overhead.skip_seconds,
         )
         self.proposals_skipped += not drafting
         return drafting
@@ -228,7 +229,9 @@ class CapacityControl:
             return
         forward = 1.0 / float(self.sps_table_host[tokens])
         drafts = tokens - num_reqs
-        self.step_overhead.observe(drafts, forward, self._draft_seconds(num_reqs), num_reqs)
+        self.step_overhead.observe(
+            drafts, forward, self._draft_seconds(num_reqs), num_reqs, not self.drafted_last
+        )
 
     def _draft_seconds(self, num_reqs: int) -> float:
         """The profiled time of a proposal at the current depth (0 when the last one was

@@ -11,8 +11,9 @@ per second of drafting and verifying j positions per request is
 
     R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j),      j = 1..depth,
 
-against R / (1 / SPS(R) + O) without drafting, O and b being the step's time outside the
-curve, per step (at R requests) and per verified draft (:mod:`step_overhead`). The gate
+against R / (1 / SPS(R) + O + S) without drafting, O and b being the step's time outside
+the curve, per step (at R requests) and per verified draft, and S what a skipped proposal
+still costs (:mod:`step_overhead`). The gate
 drafts when the best j wins, with a 2% hysteresis either way so that noise does not flip
 it every step. A skipped proposal still lets the drafter store its context K/V (later
 proposals need it) and verifies no draft: the next step's budget is 0 and vLLM runs R
@@ -68,10 +69,11 @@ class DraftGate:
         depth: int,
         overhead_s: float = 0.0,
         per_draft_s: float = 0.0,
+        skip_s: float = 0.0,
     ) -> tuple[float, float]:
         """(best expected tokens/s with drafting, tokens/s without)."""
         sps = self.sps_table
-        without = num_reqs / (1.0 / float(sps[num_reqs]) + overhead_s)
+        without = num_reqs / (1.0 / float(sps[num_reqs]) + overhead_s + skip_s)
         best, expected = 0.0, 1.0
         fixed = self.proposal_seconds(num_reqs, depth) + overhead_s
         for j in range(1, depth + 1):
@@ -87,11 +89,12 @@ class DraftGate:
         depth: int,
         overhead_s: float = 0.0,
         per_draft_s: float = 0.0,
+        skip_s: float = 0.0,
     ) -> bool:
         """Whether the coming proposal drafts."""
         if num_reqs == 0:
             return self.drafting
-        best, without = self.gains(num_reqs, mean_survival, depth, overhead_s, per_draft_s)
+        best, without = self.gains(num_reqs, mean_survival, depth, overhead_s, per_draft_s, skip_s)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
         if self.drafting:

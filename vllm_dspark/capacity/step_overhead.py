@@ -14,18 +14,24 @@ verifying n drafts for R requests then takes
     1 / SPS(R + n) + D(R) + O + a R + b n,
 
 D(R) being the drafter's profiled time per proposal, and ``sps`` maximises
-(R + sum of the n best survivals) over that.
+(R + sum of the n best survivals) over that. A proposal the draft gate skips is not free
+either, S: the drafter still stores the new tokens' context K/V (eagerly, as every
+proposal does) and the step after it still runs the speculative path. On the embedded
+pair at one request (06f3fff, H200) steps after skipped proposals took 3.6-4.4 ms against
+3.4 ms for fixed k=7's, so the gate, weighing not drafting at 1 / SPS(R) + O + a R with S
+left out, closed where drafting was 2.2x faster. It now weighs 1 / SPS(R) + O + a R + S.
 
-``auto`` fits O, a and b while serving. Each real proposal ends one step, whose host period
-(the time since the previous proposal) is the step's cost in steady state, whether the
-GPU or the host is the bottleneck; less the curve's forward for the tokens it verified and
-D(R) when a proposal was drafted, that is one sample of O + a R + b n. Each window's
-samples, less those far above its median (a pause or a prefill step in between), join
-decayed least-squares sums over the last few windows, from which O, a and b are fitted (a
-small ridge keeps a slope at 0 where its variable never varied; none is negative). An
+``auto`` fits O, a, b and S while serving. Each real proposal ends one step, whose host
+period (the time since the previous proposal) is the step's cost in steady state, whether
+the GPU or the host is the bottleneck; less the curve's forward for the tokens it verified
+and D(R) when a proposal was drafted, that is one sample of O + a R + b n (+ S after a
+skipped proposal). Each window's samples, less those far above its median (a pause or a
+prefill step in between), join decayed least-squares sums over the last few windows, from
+which O, a, b and S are fitted (a small ridge keeps a slope at 0 where its variable never
+varied; none is negative: S stays 0 until the gate has skipped). An
 admission that settles stays the same step after step, which cannot tell b from O, so
 capacity control verifies half of it now and then (``control.EXPLORE_EVERY``). The host
-clock differs between tensor-parallel ranks, so each window's (O, a, b) is reduced to the
+clock differs between tensor-parallel ranks, so each window's (O, a, b, S) is reduced to the
 largest over ranks on the device and read one window later (its copy long done): every
 rank plans with the same values, as the admission must be identical on every rank.
 """
@@ -41,38 +47,50 @@ import torch
 WINDOW = 32  # proposals per fit
 OUTLIER = 3.0  # samples above this many times the window's median are left out
 DECAY = 0.8  # per window: the fit weighs about the last five windows
-RIDGE = 1.0  # added to the slopes' diagonal: keeps a slope at 0 where its variable never varied
+# Added to each slope's diagonal, relative to it: a slope stays 0 where its variable never
+# varied (or was always 0), and a rare variable (few skipped proposals) is not shrunk.
+RIDGE = 1e-5
 
 
 class OverheadFit:
-    """Decayed least-squares sums for r = O + a R + b n (R requests, n drafts verified)."""
+    """Decayed least-squares sums for r = O + a R + b n + S z (R requests, n drafts
+    verified, z = 1 after a skipped proposal)."""
 
     def __init__(self):
-        self.gram = np.zeros((3, 3))  # sum of x x^T, x = (1, R, n)
-        self.moment = np.zeros(3)  # sum of x r
+        self.gram = np.zeros((4, 4))  # sum of x x^T, x = (1, R, n, z)
+        self.moment = np.zeros(4)  # sum of x r
 
-    def add(self, requests: np.ndarray, drafts: np.ndarray, residuals: np.ndarray) -> None:
+    def add(
+        self,
+        requests: np.ndarray,
+        drafts: np.ndarray,
+        residuals: np.ndarray,
+        skipped: np.ndarray | None = None,
+    ) -> None:
         """One window's samples, less its outliers; earlier windows decay."""
         keep = residuals <= OUTLIER * np.median(residuals) + 1e-6
-        x = np.stack([np.ones(int(keep.sum())), requests[keep], drafts[keep]], axis=1)
+        skipped = np.zeros_like(residuals) if skipped is None else skipped
+        columns = [np.ones(len(residuals)), requests, drafts, skipped]
+        x = np.stack([column[keep] for column in columns], axis=1)
         self.gram = DECAY * self.gram + x.T @ x
         self.moment = DECAY * self.moment + x.T @ residuals[keep]
 
-    def estimate(self) -> tuple[float, float, float]:
-        """(O, a, b), all >= 0: a slope the data make negative is left out and the rest
+    def estimate(self) -> tuple[float, float, float, float]:
+        """(O, a, b, S), all >= 0: a slope the data make negative is left out and the rest
         refitted."""
-        slopes = [1, 2]
+        slopes = [1, 2, 3]
         while True:
             terms = [0, *slopes]
-            gram = self.gram[np.ix_(terms, terms)] + np.diag([0.0] + [RIDGE] * len(slopes))
+            ridge = [RIDGE * self.gram[term, term] + 1e-30 for term in slopes]
+            gram = self.gram[np.ix_(terms, terms)] + np.diag([0.0, *ridge])
             fitted = np.linalg.solve(gram, self.moment[terms])
             negative = [term for term, value in zip(slopes, fitted[1:], strict=True) if value < 0]
             if not negative:
                 break
             slopes = [term for term in slopes if term not in negative]
-        values = np.zeros(3)
+        values = np.zeros(4)
         values[terms] = fitted
-        return max(0.0, float(values[0])), float(values[1]), float(values[2])
+        return max(0.0, float(values[0])), *(float(value) for value in values[1:])
 
 
 class StepOverhead:
@@ -88,16 +106,17 @@ class StepOverhead:
         self.seconds = fixed_seconds or 0.0  # O
         self.per_request_seconds = 0.0  # a
         self.per_draft_seconds = 0.0  # b
+        self.skip_seconds = 0.0  # S
         self.measuring = fixed_seconds is None
         self.ready = not self.measuring  # whether O and b hold a fit (or were given)
         self._reduce_max = reduce_max
         self._clock = clock
-        self._samples: list[tuple[int, int, float]] = []
+        self._samples: list[tuple[int, int, float, bool]] = []
         self._fit = OverheadFit()
         self._last_time: float | None = None
         cuda = device.type == "cuda"
-        self._device_value = torch.zeros(3, dtype=torch.float64, device=device)
-        self._host_value = torch.zeros(3, dtype=torch.float64, pin_memory=cuda)
+        self._device_value = torch.zeros(4, dtype=torch.float64, device=device)
+        self._host_value = torch.zeros(4, dtype=torch.float64, pin_memory=cuda)
         self._event = torch.cuda.Event() if cuda else None
         self._pending = False
 
@@ -106,12 +125,17 @@ class StepOverhead:
         return self.seconds + self.per_request_seconds * num_reqs
 
     def observe(
-        self, verified_drafts: int | None, forward_s: float, draft_s: float, num_reqs: int = 0
+        self,
+        verified_drafts: int | None,
+        forward_s: float,
+        draft_s: float,
+        num_reqs: int = 0,
+        skipped: bool = False,
     ) -> None:
         """At a real proposal: the step that just ran, for ``num_reqs`` requests, verified
         ``verified_drafts`` drafts (None: not a decode step the curve describes), its
         forward on the curve took ``forward_s`` and the proposal before it ``draft_s`` (0
-        when skipped)."""
+        when ``skipped``)."""
         if not self.measuring:
             return
         now = self._clock()
@@ -119,21 +143,22 @@ class StepOverhead:
         if last is None or verified_drafts is None:
             return
         residual = max(0.0, now - last - forward_s - draft_s)
-        self._samples.append((num_reqs, verified_drafts, residual))
+        self._samples.append((num_reqs, verified_drafts, residual, skipped))
         if len(self._samples) < WINDOW:
             return
         samples = np.array(self._samples, dtype=np.float64)
-        self._fit.add(samples[:, 0], samples[:, 1], samples[:, 2])
+        self._fit.add(samples[:, 0], samples[:, 1], samples[:, 2], samples[:, 3])
         self._publish(self._fit.estimate())
         self._samples.clear()
 
-    def _publish(self, fitted: tuple[float, float, float]) -> None:
+    def _publish(self, fitted: tuple[float, float, float, float]) -> None:
         # The previous window's reduced values (their event long done) become the estimate.
         if self._pending:
             if self._event is not None:
                 self._event.synchronize()
             values = self._host_value.tolist()
-            self.seconds, self.per_request_seconds, self.per_draft_seconds = values
+            self.seconds, self.per_request_seconds, self.per_draft_seconds = values[:3]
+            self.skip_seconds = values[3]
             self.ready = True
         for value, target in zip(fitted, self._device_value, strict=True):
             target.fill_(value)  # a kernel argument: no copy from pageable memory
