@@ -187,7 +187,7 @@ case "$stage" in
     vllm_env
     # Graphs to 2048 tokens (every arm): the tiny pair is host-bound, and vLLM's default
     # 512 leaves speculative steps past 64 requests (and their drafter) eager.
-    timeout 580 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
+    timeout 900 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
       --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
       --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -30
     ;;
