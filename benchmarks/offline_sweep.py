@@ -140,7 +140,7 @@ def heldout_stream() -> list[int]:
     confidences mean something (the arithmetic prompts are noise to a trained drafter)."""
     from vllm_dspark.demo import load_prompts
 
-    return [token for prompt in load_prompts(num_prompts=10**6) for token in prompt]
+    return [token for prompt in load_prompts(num_prompts=None) for token in prompt]
 
 
 def conditional_rates(unconditional: list[float]) -> list[float]:

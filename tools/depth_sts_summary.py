@@ -29,12 +29,8 @@ def _evidence(record: dict, name: str) -> dict:
     }
 
 
-def _tok_s(rows: list[dict], setup: str | None = None) -> dict[tuple[str, int], float]:
-    return {
-        (row["arm"], row["concurrency"]): row["tok_s"]
-        for row in rows
-        if setup is None or row.get("setup") == setup
-    }
+def _tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
+    return {(row["arm"], row["concurrency"]): row["tok_s"] for row in rows}
 
 
 def depth_time(record: dict) -> dict:

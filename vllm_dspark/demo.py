@@ -34,8 +34,9 @@ class ArmResult:
     calibration: dict | None
 
 
-def load_prompts(pair_dir: Path = EMBEDDED_PAIR, num_prompts: int = 200) -> list[list[int]]:
-    """Token ids of the pair's held-out prompts (never seen in training)."""
+def load_prompts(pair_dir: Path = EMBEDDED_PAIR, num_prompts: int | None = 200) -> list[list[int]]:
+    """Token ids of the pair's first ``num_prompts`` held-out prompts (never seen in
+    training; None: all of them)."""
     prompts = json.loads((pair_dir / "heldout_prompts.json").read_text())
     return [prompt["prompt_token_ids"] for prompt in prompts[:num_prompts]]
 

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
 from serve_sweep import make_prompts, percentile, read_counters  # noqa: E402
@@ -100,29 +102,37 @@ def test_graphs_to_extends_vllms_capture_sizes_past_512():
     }
 
 
-def test_offline_sweep_reports_the_median_of_fresh_repeats(monkeypatch, capsys):
+@pytest.fixture
+def fake_llm(monkeypatch):
+    """``vllm.LLM`` replaced by an engine that generates zeros at once and records each
+    batch's prompts (``batches``); a test may patch in a subclass of it."""
     import types
 
-    import offline_sweep
     import vllm
 
-    seen_prompts = []
-
     class FakeLLM:
+        batches: list[list[list[int]]] = []
+
         def __init__(self, **kwargs):
-            self.calls = 0
+            pass
 
         def generate(self, prompts, params, use_tqdm=False):
-            self.calls += 1
-            seen_prompts.append([p["prompt_token_ids"] for p in prompts])
+            self.batches.append([p["prompt_token_ids"] for p in prompts])
             output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
             return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
 
         def get_metrics(self):
             return []
 
-    clock = iter(range(100))
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    return FakeLLM
+
+
+def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch, capsys):
+    import offline_sweep
+
+    seen_prompts = fake_llm.batches
+    clock = iter(range(100))
     monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: next(clock) ** 2 / 10)
     spec = {
         "options": None,
@@ -147,9 +157,7 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(monkeypatch, capsys):
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
 
 
-def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
-    import types
-
+def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, capsys):
     import offline_sweep
     import vllm
 
@@ -157,16 +165,9 @@ def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
 
     reads = iter(range(100))
 
-    class FakeLLM:
+    class TwoRankLLM(fake_llm):
         def __init__(self, **kwargs):
             assert kwargs["tensor_parallel_size"] == 2
-
-        def generate(self, prompts, params, use_tqdm=False):
-            output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
-            return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
-
-        def get_metrics(self):
-            return []
 
         def collective_rpc(self, method):
             if method.__name__ == "_worker_gate_inputs":
@@ -176,7 +177,7 @@ def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
             read = next(reads)
             return [{"admitted": read}, {"admitted": read + (read >= 3)}]
 
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(vllm, "LLM", TwoRankLLM)
     spec = {
         "options": {},
         "target": "t",
@@ -198,30 +199,15 @@ def test_offline_sweep_compares_every_ranks_admissions(monkeypatch, capsys):
     assert rows[0]["gate"] == {"gate_open": False, "mean_survival": [0.5]}
 
 
-def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(monkeypatch, capsys):
-    import types
-
+def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
+    fake_llm, monkeypatch, capsys
+):
     import offline_sweep
-    import vllm
 
     from vllm_dspark.demo import load_prompts
 
-    batches = []
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            pass
-
-        def generate(self, prompts, params, use_tqdm=False):
-            batches.append([p["prompt_token_ids"] for p in prompts])
-            output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
-            return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
-
-        def get_metrics(self):
-            return []
-
+    batches = fake_llm.batches
     clock = iter(range(100))
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
     monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: float(next(clock)))
     spec = {
         "options": None,
@@ -242,7 +228,7 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(monkeyp
     assert [len(batch) for batch in batches] == [8, 2] + [2] * 6
     assert row["tok_s_repeats"] == [20.0, 20.0]
     # Every prompt is a 100-token window of the held-out text, none starting alike.
-    stream = [token for prompt in load_prompts(num_prompts=10**6) for token in prompt]
+    stream = [token for prompt in load_prompts(num_prompts=None) for token in prompt]
     text = " ".join(map(str, stream))
     timed = [prompt for batch in batches[2:] for prompt in batch]
     assert all(len(p) == 100 and " ".join(map(str, p)) in text for p in timed)

@@ -228,21 +228,30 @@ def test_sps_varies_its_admission_now_and_then(engine_config, model_dirs):
     assert given.step_overhead.seconds == 0.0015
 
 
-def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_config, model_dirs):
-    """The real control path on a simulated host-bound engine whose step takes, with n
-    drafts verified for R requests, F(R + n) (the curve: a small, fast target) + D
-    (drafting) + 2.5 ms + 5 us per draft: sps must learn O and b and settle on the
-    admission that maximises true tokens per second."""
+def simulated_sps(engine_config, model_dirs, curve, draft_s):
+    """A speculator in ``sps`` mode on ``curve`` whose proposals cost ``draft_s``, with a
+    fake clock the test advances by each simulated step's period."""
     from test_compact_verification import K, build_speculator
 
-    num_reqs, fixed_s, per_draft_s, draft_s = 32, 2.5e-3, 5e-6, 3e-4
-    curve = [[1, 8000.0], [64, 6000.0], [256, 2000.0]]
     speculator = build_speculator(
         engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
     )
     speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
     clock = FakeClock()
     speculator.step_overhead._clock = clock
+    return speculator, clock
+
+
+def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_config, model_dirs):
+    """The real control path on a simulated host-bound engine whose step takes, with n
+    drafts verified for R requests, F(R + n) (the curve: a small, fast target) + D
+    (drafting) + 2.5 ms + 5 us per draft: sps must learn O and b and settle on the
+    admission that maximises true tokens per second."""
+    from test_compact_verification import K
+
+    num_reqs, fixed_s, per_draft_s, draft_s = 32, 2.5e-3, 5e-6, 3e-4
+    curve = [[1, 8000.0], [64, 6000.0], [256, 2000.0]]
+    speculator, clock = simulated_sps(engine_config, model_dirs, curve, draft_s)
     # Calibrated survivals, requests from doubtful to confident.
     confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
     survival = torch.cumprod(confidence, dim=1)
@@ -291,16 +300,11 @@ def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(engine_conf
     takes 0.3 ms, but a step after a skipped one costs 1.5 ms more than the bare step. On
     O alone the gate closes (drafting's expected tokens look too few for its cost); once
     the skipped steps are measured, skipping is seen to cost more, and it drafts again."""
-    from test_compact_verification import K, build_speculator
+    from test_compact_verification import K
 
     num_reqs, fixed_s, draft_s, skip_s = 1, 2.5e-3, 3e-4, 1.5e-3
     curve = [[1, 4000.0], [8, 3900.0], [256, 2000.0]]
-    speculator = build_speculator(
-        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
-    )
-    speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
-    clock = FakeClock()
-    speculator.step_overhead._clock = clock
+    speculator, clock = simulated_sps(engine_config, model_dirs, curve, draft_s)
     # Rarely surviving drafts: with skipping free, one request gains too little from them.
     survival = torch.cumprod(torch.full((num_reqs, K), 0.05), dim=1)
     table = speculator.sps_table_host
