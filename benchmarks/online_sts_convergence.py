@@ -68,7 +68,9 @@ def make_llm(pair: Path, speculative: dict | None, args):
         seed=0,
         max_model_len=2048,
         max_num_seqs=args.concurrency,
-        gpu_memory_utilization=0.1,
+        # A fixed cache skips vLLM's memory profiling, which an engine starting beside it
+        # on the same GPU would disturb (tools/device/queue.sh runs stages side by side).
+        kv_cache_memory_bytes=2 << 30,
         # Chunks reuse prompts; the drafter's context must come from the target each time.
         enable_prefix_caching=False,
         disable_log_stats=False,

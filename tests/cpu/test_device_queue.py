@@ -9,9 +9,18 @@ from pathlib import Path
 
 TOOLS = Path(__file__).parents[2] / "tools" / "device"
 FAKE_STAGE = """#!/usr/bin/env bash
-# stand-in: STAGE COMMIT [ARG...]; writes its arguments, fails for "bad"
-echo "$@" > "$OUT/args.txt"; [ "$1" != bad ]
+# stand-in: STAGE COMMIT [ARG...]; writes its arguments and compile cache, fails for "bad";
+# "meet" waits (10 s at most) until another "meet" has started
+echo "$@ ${VLLM_CACHE_ROOT:-shared}" > "$OUT/args.txt"; touch "$OUT/../started-$1-$$"
+if [ "$1" = meet ]; then
+  for _ in $(seq 100); do
+    [ "$(ls "$OUT"/../started-meet-* | wc -l)" -ge 2 ] && exit 0; sleep 0.1
+  done
+  exit 1
+fi
+[ "$1" != bad ]
 """
+FAKE_BUNDLE = "echo installed >> \"$QUEUE_ROOT/installs\"\n"
 
 
 def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
@@ -19,6 +28,7 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
     (tree / "tools" / "device").mkdir(parents=True)
     shutil.copy(TOOLS / "queue.sh", tree / "tools" / "device")
     (tree / "tools" / "device" / "gpu_stage.sh").write_text(FAKE_STAGE)
+    (tree / "tools" / "device" / "bundle.sh").write_text(FAKE_BUNDLE)
     out = tmp_path / "out"
     out.mkdir()
     env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "QUEUE_ROOT": str(tmp_path / "queue")}
@@ -41,7 +51,7 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
         args = archive.extractfile("results/breakdown-1/args.txt").read().decode()
         log = archive.extractfile("results/queue.log").read().decode()
     assert "results/bad-2/args.txt" in names
-    assert args.split() == ["breakdown", "abc123", "nospec,k1", "2048"]
+    assert args.split() == ["breakdown", "abc123", "nospec,k1", "2048", "shared"]
     assert "breakdown:nospec,k1:2048 rc=0" in log and "bad rc=1" in log
     # A second queue adds its results beside the first's.
     queue("start", "abc123", "again")
@@ -56,3 +66,17 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
         log = archive.extractfile("results/queue.log").read().decode()
     assert "gate! rc=0" in log and "queue stopped: bad! failed" in log
     assert not any(name.startswith("results/never-") for name in names)
+    # Stages joined by + run side by side, after one bundle install, with their own caches.
+    queue("start", "abc123", "meet+meet!", "after")
+    queue("wait", "30")
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+        log = archive.extractfile("results/queue.log").read().decode()
+        caches = {
+            archive.extractfile(name).read().decode().split()[-1]
+            for name in names
+            if name.startswith("results/meet-") and name.endswith("args.txt")
+        }
+    assert "meet+meet! rc=0" in log and "after rc=0" in log
+    assert len(caches) == 2 and "shared" not in caches
+    assert (tmp_path / "queue" / "installs").read_text().count("installed") == 1

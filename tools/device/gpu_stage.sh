@@ -147,7 +147,7 @@ case "$stage" in
     ;;
   dflash)
     vllm_env
-    timeout 580 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance \
+    timeout 900 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance \
       --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet | tail -14
     ;;
   sts)
@@ -179,7 +179,9 @@ case "$stage" in
     ;;
   sanitizer)
     vllm_env; use_recalibrated
-    # memcheck slows every kernel down by an order of magnitude: one short run.
+    # memcheck slows every kernel down by an order of magnitude: one short run. A fixed KV
+    # cache, so that it can run beside another stage (queue.sh's "sts+sanitizer").
+    export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30))
     timeout 580 python3 -m pytest tests/gpu/test_sanitizer_gpu.py -q -p no:cacheprovider -rA \
       2>&1 | tail -20
     ;;

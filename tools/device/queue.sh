@@ -4,7 +4,7 @@
 # 10-minute limit. Device time counts while the machine is held, busy or not: queue the
 # session's work once, then keep calling `wait` back to back.
 #
-#   bash tools/device/queue.sh start COMMIT STAGE[:ARG[:ARG]][!] ...  # returns at once
+#   bash tools/device/queue.sh start COMMIT STAGE[:ARG[:ARG]][+STAGE...][!] ...  # returns at once
 #   bash tools/device/queue.sh wait SECONDS   # until the queue ends or SECONDS pass, then
 #                                             # packs every result so far into $OUT
 #
@@ -34,12 +34,27 @@ case "$cmd" in
     cd "$root/tree" || exit 1
     n=$(ls "$root/results" | wc -l)  # a later queue adds to the earlier results
     for item in "$@"; do
-      n=$((n + 1)); IFS=: read -r stage arg1 arg2 <<< "${item%!}"
-      out="$root/results/$stage-$n"; mkdir -p "$out"
       echo "== $(date +%T) $item" >> "$root/log"
-      OUT=$out bash tools/device/gpu_stage.sh "$stage" "$commit" ${arg1:+"$arg1"} \
-        ${arg2:+"$arg2"} >> "$root/log" 2>&1
-      rc=$?; echo "== $(date +%T) $item rc=$rc" >> "$root/log"
+      # Stages joined by + run side by side (only ones that time nothing), after a single
+      # bundle install (concurrent installs into one folder would race), each with its own
+      # compile caches (concurrent writers of one entry could read it half-written).
+      IFS=+ read -ra group <<< "${item%!}"
+      side_by_side=$(( ${#group[@]} > 1 ))
+      [ "$side_by_side" = 1 ] && bash -c '. tools/device/bundle.sh install' >> "$root/log" 2>&1
+      pids=()
+      for member in "${group[@]}"; do
+        n=$((n + 1)); IFS=: read -r stage arg1 arg2 <<< "$member"
+        out="$root/results/$stage-$n"; mkdir -p "$out"; caches=()
+        [ "$side_by_side" = 1 ] && caches=(VLLM_CACHE_ROOT=/tmp/vcache_$n TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$n)
+        env OUT="$out" "${caches[@]}" bash tools/device/gpu_stage.sh "$stage" "$commit" \
+          ${arg1:+"$arg1"} ${arg2:+"$arg2"} > "$out.log" 2>&1 &
+        pids+=($!)
+      done
+      rc=0
+      for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+      for member in "${group[@]}"; do cat "$root/results/${member%%:*}"-*.log; done >> "$root/log"
+      rm -f "$root"/results/*.log
+      echo "== $(date +%T) $item rc=$rc" >> "$root/log"
       if [ "$rc" != 0 ] && [ "$item" != "${item%!}" ]; then
         echo "== $(date +%T) queue stopped: $item failed" >> "$root/log"; break
       fi
