@@ -20,7 +20,7 @@ if [ "$1" = meet ]; then
 fi
 [ "$1" != bad ]
 """
-FAKE_BUNDLE = "echo installed >> \"$QUEUE_ROOT/installs\"\n"
+FAKE_BUNDLE = 'echo installed >> "$QUEUE_ROOT/installs"\n'
 
 
 def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
