@@ -50,12 +50,32 @@ def warm_prompts(prompts: list[list[int]], count: int, seed: int) -> list[list[i
     return [prompt[: rng.randint(16, len(prompt))] for prompt in rng.choices(prompts, k=count)]
 
 
-def serve(llm, prompts, max_tokens: int) -> list[list[int]]:
+def serve(llm, prompts, max_tokens: int, logprobs: bool = False):
+    """Greedy token ids per prompt; with ``logprobs``, (ids, each position's top two)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2 if logprobs else None
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(out.outputs[0].token_ids) for out in outputs]
+    ids = [list(out.outputs[0].token_ids) for out in outputs]
+    if not logprobs:
+        return ids
+    return ids, [out.outputs[0].logprobs for out in outputs]
+
+
+def divergences(online, reference, reference_logprobs) -> list[dict]:
+    """Each prompt whose output differs: where, and how near a tie the greedy choice was
+    there without speculation (the top two log-probabilities' gap)."""
+    found = []
+    for prompt, (a, b) in enumerate(zip(online, reference, strict=True)):
+        if a == b:
+            continue
+        position = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        ranked = sorted(lp.logprob for lp in reference_logprobs[prompt][position].values())
+        gap = ranked[-1] - ranked[-2]
+        found.append({"prompt": prompt, "position": position, "top_two_gap": round(gap, 7)})
+    return found
 
 
 def make_llm(pair: Path, speculative: dict | None, args):
@@ -125,7 +145,9 @@ def main() -> int:
     final = llm.collective_rpc(_sts_state)[0]
     del llm
     gc.collect()
-    reference = serve(make_llm(EMBEDDED_PAIR, None, args), evaluation, args.max_tokens)
+    reference, reference_logprobs = serve(
+        make_llm(EMBEDDED_PAIR, None, args), evaluation, args.max_tokens, logprobs=True
+    )
 
     import torch
 
@@ -149,6 +171,7 @@ def main() -> int:
         },
         "greedy_identical_prompts": identical,
         "greedy_identical": identical == len(evaluation),
+        "divergences": divergences(online, reference, reference_logprobs),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -37,15 +38,22 @@ def run_probe(
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
-    done = subprocess.run(
+    # Its own session, so that a timeout ends every process it started (vLLM's engine core,
+    # a sanitizer's target), not only the first: one left running would hold the GPU.
+    with subprocess.Popen(
         [*prefix, sys.executable, str(script), *args],
         env=env,
-        input=stdin,
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-12000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith(MARKER))
+        start_new_session=True,
+    ) as probe:
+        try:
+            stdout, stderr = probe.communicate(stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(probe.pid, signal.SIGKILL)
+            raise
+    assert probe.returncode == 0, stderr[-12000:]
+    line = next(x for x in stdout.splitlines() if x.startswith(MARKER))
     return json.loads(line.removeprefix(MARKER))

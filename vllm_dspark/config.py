@@ -74,8 +74,9 @@ class DSparkOptions(BaseModel):
     ``confidence_threshold`` last step. ``budget``: the highest-survival (request,
     position) slots of the batch, up to ceil(R*K*budget_frac). ``sps``: as many as
     maximised expected tokens per second on the target's SPS curve last step.
-    ``acceptance``: the same depth for every request, following the recent mean accepted
-    length (no confidence head needed; DFlash too)."""
+    ``acceptance``: the same depth for every request, the one of most expected tokens per
+    second from the recent acceptance per position and the SPS curve (no confidence head
+    needed; DFlash too)."""
 
     confidence_threshold: StrictFloat = Field(
         0.5, gt=0.0, lt=1.0, json_schema_extra=_valid("a number in (0, 1)")
@@ -95,15 +96,17 @@ class DSparkOptions(BaseModel):
             "holding such a list"
         ),
     )
-    """Target steps per second against tokens per step, for ``capacity=sps``;
-    ``auto`` profiles it at start-up from CUDA-graph replays."""
+    """Target steps per second against tokens per step, for ``capacity=sps`` and
+    ``acceptance``; ``auto`` profiles it at start-up from CUDA-graph replays (without FULL
+    graphs, ``acceptance`` follows the accepted length alone)."""
 
     step_overhead_ms: Literal["auto"] | Annotated[float, Field(ge=0.0)] = Field(
         "auto", json_schema_extra=_valid('"auto" or a number of milliseconds >= 0')
     )
     """Time per target step that the SPS curve leaves out (scheduling, input preparation,
-    sampling, output handling), for ``capacity=sps``: ``auto`` fits it while serving, per
-    step and per verified draft; a number fixes the per-step part (0: the curve alone)."""
+    sampling, output handling), for ``capacity=sps`` and ``acceptance``: ``auto`` fits it
+    while serving, per step and per verified draft; a number fixes the per-step part (0:
+    the curve alone)."""
 
     confidence_temperature: list[StrictFloat] | None = Field(
         None,
@@ -188,8 +191,8 @@ class DSparkOptions(BaseModel):
         needs = {
             "confidence_threshold": ("threshold",),
             "budget_frac": ("budget", "sps"),
-            "sps_curve": ("sps",),
-            "step_overhead_ms": ("sps",),
+            "sps_curve": ("sps", "acceptance"),
+            "step_overhead_ms": ("sps", "acceptance"),
             "confidence_temperature": CONFIDENCE_MODES,
             "online_sts": CONFIDENCE_MODES,
             "dynamic_depth": CONFIDENCE_MODES,

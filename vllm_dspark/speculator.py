@@ -296,8 +296,10 @@ class DFlashPluginSpeculator(CapacityControl, DFlashSpeculator):
     def propose(self, *args, **kwargs):
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
         if self.acceptance is not None and not call.get("dummy_run", False):
-            cu_num_logits = call["input_batch"].cu_num_logits
-            self.record_verification(*verification_counts(cu_num_logits, call["num_sampled"]))
+            input_batch = call["input_batch"]
+            counts = verification_counts(input_batch.cu_num_logits, call["num_sampled"])
+            self.record_verification(*counts)
+            self.observe_step(input_batch.num_reqs)
         return super().propose(*args, **kwargs)
 
     def load_draft_model(self, target_model, target_attn_layer_names):

@@ -226,56 +226,103 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
     calibrated_synthetic._speculator = None
 
 
+def verify_geometric(depth, num_reqs, rate, gen):
+    """One step of requests verifying ``depth`` drafts each, each draft accepted with
+    probability ``rate`` given the ones before: (drafts verified, drafts accepted)."""
+    draws = torch.rand(num_reqs, depth, generator=gen) < rate
+    accepted = torch.cumprod(draws.long(), dim=1).sum(dim=1)
+    return torch.full((num_reqs,), depth), accepted
+
+
+def test_acceptance_counts_are_not_censored_by_the_depth():
+    from vllm_dspark.capacity.acceptance import AcceptanceDepth, position_counts
+
+    # Requests verified 7, 7, 3 and 0 drafts and accepted 1, 0, 3 and 0.
+    reached, accepted = position_counts(torch.tensor([7, 7, 3, 0]), torch.tensor([1, 0, 3, 0]), K)
+    assert reached.tolist() == [3, 2, 1, 0, 0, 0, 0]
+    assert accepted.tolist() == [2, 1, 1, 0, 0, 0, 0]
+    # Verified to depth 2 only, at an acceptance of 0.8 per position: positions 3..7 take
+    # position 2's ratio, so the expected length at full depth is not capped at 2.
+    depth, gen = AcceptanceDepth(max_depth=K), torch.Generator().manual_seed(0)
+    for _ in range(400):
+        depth.observe(*position_counts(*verify_geometric(2, 16, 0.8, gen), K))
+    expected = [0.8**j for j in range(1, K + 1)]
+    assert depth.survival() == pytest.approx(expected, abs=0.04)
+    assert depth.length_target() == 4  # floor(0.8 + ... + 0.8^7 + 1.5) = floor(4.66)
+
+
 def test_acceptance_depth_drops_at_once_and_climbs_by_one_per_window():
     from vllm_dspark.capacity.acceptance import WINDOW_STEPS, AcceptanceDepth
 
     depth = AcceptanceDepth(max_depth=K)
+    assert depth.update(2) == 2  # at once
+    assert [depth.update(5) for _ in range(WINDOW_STEPS)] == [2] * (WINDOW_STEPS - 2) + [3, 3]
+    assert [depth.update(5) for _ in range(WINDOW_STEPS)][-1] == 4
+    assert depth.update(1) == 1
 
-    def window(mean_accepted):
-        return [depth.observe(mean_accepted) for _ in range(WINDOW_STEPS)]
 
-    assert window(1.0) == [K] * (WINDOW_STEPS - 1) + [2]  # floor(1 + 1.5) = 2, at once
-    assert window(1.9)[-1] == 3  # target 3: one up
-    assert window(6.0)[-1] == 4  # target 7: still one per window
-    assert window(6.0)[-1] == 5
-    assert window(0.0)[-1] == 1  # never below one draft
+def test_acceptance_depth_follows_the_load_on_the_sps_curve():
+    from vllm_dspark.capacity.acceptance import best_depth
+    from vllm_dspark.capacity.allocation import sps_table_from_curve
+
+    survival = np.array([0.8**j for j in range(1, K + 1)])
+    # The Qwen3-8B shape's curve on the H200 (benchmarks/results/sps_curve_qwen3_8b.json,
+    # a few of its points; beyond 512 tokens the table slows in proportion).
+    curve = [(1, 190.0), (64, 169.0), (128, 149.0), (256, 111.0), (512, 66.0)]
+    table = sps_table_from_curve(curve, 2048)
+    assert best_depth(survival, 1, table) == K  # verifying 8 tokens costs about 1
+    assert best_depth(survival, 256, table) == 1
+    # A step's time outside the curve makes drafts cheaper relative to the step.
+    assert best_depth(survival, 256, table, fixed_s=0.008) > 1
 
 
 def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_dirs):
     from vllm.config import set_current_vllm_config
 
-    from vllm_dspark.capacity.acceptance import WINDOW_STEPS
     from vllm_dspark.capacity.allocation import verification_counts
     from vllm_dspark.config import DSparkOptions
     from vllm_dspark.speculator import DFlashPluginSpeculator
 
-    config = engine_config(
-        {
-            "method": "dflash",
-            "model": model_dirs["dflash"],
-            "num_speculative_tokens": K,
-            "dspark_capacity": "acceptance",
-            "dspark_varlen_verify": True,
-        }
-    )
-    with set_current_vllm_config(config):
-        speculator = DFlashPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+    def speculator(**options):
+        config = engine_config(
+            {
+                "method": "dflash",
+                "model": model_dirs["dflash"],
+                "num_speculative_tokens": K,
+                "dspark_capacity": "acceptance",
+                "dspark_varlen_verify": True,
+                **options,
+            }
         )
-    assert speculator.controls_capacity
-    # Three decode requests verified 7 drafts each and accepted 1, 0 and 2; a prefill had none.
+        with set_current_vllm_config(config):
+            return DFlashPluginSpeculator(
+                config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+            )
+
+    # Three decode requests verified 7 drafts each and accepted 1, 0 and 2; a prefill had
+    # none. Survival (2/3, 1/3, 0, ...): the length rule wants floor(1 + 1.5) = 2.
     batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 8, 16, 24, 25]))
-    num_sampled = torch.tensor([2, 1, 3, 1])
-    budgets = []
-    for _ in range(2 * WINDOW_STEPS + 1):
-        budgets.append(speculator.admission_budget(3))
-        speculator.record_verification(*verification_counts(batch.cu_num_logits, num_sampled))
-    # The budget reads the step before the last (the first two see the initial K), so the
-    # first window's mean is 2.5 (depth 4) and the second's 1.0 (depth floor(2.5) = 2).
-    assert budgets[WINDOW_STEPS] == 3 * 4
-    budget = budgets[-1]
-    assert budget == 3 * 2
-    assert speculator.verify_capacity(torch.tensor([4, 0, 9]), budget).tolist() == [2, 2, 2]
+    counts = verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3, 1]))
+    # sps_curve=auto on this CPU platform, which captures no CUDA graph to profile (as
+    # enforce_eager on a GPU): acceptance is not refused, it follows the length rule.
+    length_rule = speculator()
+    assert not length_rule.needs_sps_profile and length_rule.sps_table_host is None
+    # A curve that collapses beyond 6 tokens per step (3 requests, one draft each).
+    compute_bound = speculator(
+        dspark_sps_curve=[[1, 1000.0], [6, 100.0], [9, 10.0], [64, 1.0]],
+        dspark_step_overhead_ms=0.0,
+    )
+    # The budget reads the step before the last: the first two see no counts (depth K at
+    # first for the length rule; on the collapsing curve one draft is best from the start).
+    for control, expected in ((length_rule, [K, K, 2]), (compute_bound, [1, 1, 1])):
+        assert control.controls_capacity
+        budgets = []
+        for _ in range(3):
+            budgets.append(control.admission_budget(3))
+            control.record_verification(*counts)
+        assert budgets == [3 * depth for depth in expected]
+        depths = control.verify_capacity(torch.tensor([4, 0, 9]), budgets[-1])
+        assert depths.tolist() == [expected[-1]] * 3
 
 
 def test_ranks_fed_alike_decide_alike(engine_config, model_dirs):
@@ -449,6 +496,7 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     curves, draft_costs = [], []
     speculator = SimpleNamespace(
         needs_sps_profile=True,
+        options=SimpleNamespace(capacity="sps"),
         set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
         draft_graph_managers=lambda: {1: "depth-1 graphs", 7: "draft graphs"},
         set_draft_cost=draft_costs.append,
@@ -468,6 +516,10 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     assert draft_costs == [{1: [(1, 0.2)], 7: [(1, 0.5), (8, 1.0)]}]
     assert not speculator.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
+    # acceptance takes the curve alone (it has no draft gate).
+    speculator.needs_sps_profile, speculator.options.capacity = True, "acceptance"
+    capture(runner)
+    assert len(curves) == 2 and len(draft_costs) == 1
     table = sps_table_from_curve(curves[0][0], 64)
     assert table[36].item() == pytest.approx(187.5)
     # No graph to time: a start-up error naming the option.

@@ -66,3 +66,17 @@ def test_warm_prompt_variants_are_cut_prompts_and_reproducible():
     assert len(variants) == 50 and variants == warm_prompts(pool, 50, seed=3)
     assert all(16 <= len(v) <= 64 and v == pool[v[0] // 100][: len(v)] for v in variants)
     assert len({len(v) for v in variants}) > 10 and variants != warm_prompts(pool, 50, seed=4)
+
+
+def test_divergences_name_the_first_differing_position_and_its_top_two_gap():
+    from types import SimpleNamespace
+
+    from online_sts_convergence import divergences
+
+    def top_two(first, second):  # vLLM's {token: Logprob} at one position
+        return {5: SimpleNamespace(logprob=first), 9: SimpleNamespace(logprob=second)}
+
+    reference = [[1, 2, 3], [4, 5, 6]]
+    logprobs = [[top_two(-0.1, -3.0)] * 3, [top_two(-0.5, -2.0), top_two(-0.7, -0.7001)] * 2]
+    found = divergences([[1, 2, 3], [4, 8, 6]], reference, logprobs)
+    assert found == [{"prompt": 1, "position": 1, "top_two_gap": pytest.approx(1e-4)}]

@@ -214,6 +214,7 @@ def main(spec: dict) -> None:
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=1024,
         max_num_seqs=spec.get("max_num_seqs", 64),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         kv_cache_memory_bytes=fixed_kv_cache_bytes(),

@@ -1,17 +1,37 @@
 """Verified depth from recent acceptance, for drafters without a confidence head.
 
 ``dspark_capacity=acceptance`` (DFlash, or DSpark without a confidence head) verifies the
-same number d of leading drafts for every request of a decode step. d follows the mean
-number of drafts the verified requests accepted: after each window of steps, the target
-is clamp(floor(mean accepted + 1.5), 1, K); d drops to a lower target at once and climbs
-toward a higher one by one per window. The mean is of steps already verified (read one
-step late, :mod:`vllm_dspark.capacity.stale_record`), so d never depends on the drafts it
-is applied to, and speculative sampling stays lossless. While d < K a request can accept
-at most d drafts, so a mean near d means d is what limits acceptance: the + 1.5 margin
-lets d climb out of that.
+same number d of leading drafts for every request of a decode step.
 
-Host-side integer arithmetic on values every rank reads alike: every tensor-parallel
-rank picks the same d.
+What it learns. Per draft position j, how many verifications reached j (j was verified
+and every earlier draft accepted) and how many of those accepted it, as counts that decay
+by ``DECAY`` per step. Their ratio a_j is the position's acceptance given the ones before.
+A position the current depth does not verify keeps its last ratio (decay scales both of
+its counts alike), and one never verified takes its predecessor's (1 at first, so the
+controller starts at K). The survival S_j = a_1 ... a_j is the chance that a request
+accepts its first j drafts, so 1 + S_1 + ... + S_d is the tokens a request gains per
+step at depth d. Reading the mean accepted length off the steps themselves instead would
+be censored: at depth d no request accepts more than d, so a rule on that mean (such as
+floor(mean + 1.5)) stalls below the depth the drafter deserves.
+
+What it picks:
+- with the target's SPS curve (``dspark_sps_curve``, profiled at start-up by default):
+  the depth of most expected tokens per second at the step's R requests,
+
+      R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + O + a R + b R d),
+
+  O, a and b the step's time outside the curve (:mod:`step_overhead`; 0 until fitted).
+  At light load verifying K drafts costs about what verifying one does, so d = K (fixed
+  k=7 beat a length rule by 1.3x at 1 and 16 requests, DFlash on the H200); under load
+  d shrinks.
+- without a curve (no FULL CUDA graphs to profile): the expected accepted length at full
+  depth plus a margin, clamp(floor(S_1 + ... + S_K + 1.5), 1, K).
+
+d drops to a lower target at once and climbs toward a higher one by one per
+``WINDOW_STEPS`` steps. The counts are of steps already verified (read one step late,
+:mod:`vllm_dspark.capacity.stale_record`), so d never depends on the drafts it is applied
+to, and speculative sampling stays lossless. Host arithmetic on values every
+tensor-parallel rank reads alike: every rank picks the same d.
 """
 
 from __future__ import annotations
@@ -19,31 +39,80 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Steps per window.
-WINDOW_STEPS = 8
-# Drafts beyond the mean accepted that the target keeps verifying.
-MARGIN = 1.5
+import numpy as np
+import torch
+
+WINDOW_STEPS = 8  # steps between two climbs of one
+DECAY = 1 - 1 / 64  # per step: the counts weigh about the last 64 steps
+MARGIN = 1.5  # drafts beyond the expected accepted length that the length rule verifies
+MIN_REACHED = 1e-3  # fewer (decayed) verifications reaching a position: no ratio of its own
+
+
+def position_counts(num_verified: torch.Tensor, num_accepted: torch.Tensor, max_depth: int):
+    """Per position j = 1..K of one verified step: (verifications that reached j,
+    of those, the ones that accepted j), from each request's drafts verified and
+    accepted (a request that verified none counts nowhere)."""
+    positions = torch.arange(1, max_depth + 1, device=num_verified.device)
+    verified, accepted = num_verified[:, None], num_accepted[:, None]
+    reached = (verified >= positions) & (accepted >= positions - 1)
+    return reached.sum(dim=0), (accepted >= positions).sum(dim=0)
+
+
+def best_depth(
+    survival: np.ndarray,
+    num_reqs: int,
+    sps_table: torch.Tensor,
+    fixed_s: float = 0.0,
+    per_draft_s: float = 0.0,
+) -> int:
+    """The d in 1..K of most expected tokens per second (the module's formula), ``fixed_s``
+    being O + a R at this batch."""
+    depths = np.arange(1, len(survival) + 1)
+    expected = 1.0 + np.cumsum(survival)
+    tokens = np.minimum(num_reqs * (1 + depths), len(sps_table) - 1)
+    forward = 1.0 / sps_table.double().numpy()[tokens]
+    step = forward + fixed_s + per_draft_s * num_reqs * depths
+    return int(depths[np.argmax(expected / step)])
 
 
 @dataclass
 class AcceptanceDepth:
     max_depth: int
     depth: int = field(init=False)
-    _sum: float = field(default=0.0, init=False)
-    _steps: int = field(default=0, init=False)
+    reached: np.ndarray = field(init=False)
+    accepted: np.ndarray = field(init=False)
+    _since_climb: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.depth = self.max_depth
+        self.reached = np.zeros(self.max_depth)
+        self.accepted = np.zeros(self.max_depth)
 
-    def target(self, mean_accepted: float) -> int:
-        return max(1, min(self.max_depth, math.floor(mean_accepted + MARGIN)))
+    def observe(self, reached: list[float], accepted: list[float]) -> None:
+        """One verified step's counts per position (:func:`position_counts`)."""
+        self.reached = DECAY * self.reached + np.asarray(reached)
+        self.accepted = DECAY * self.accepted + np.asarray(accepted)
 
-    def observe(self, mean_accepted: float) -> int:
-        """One step's mean accepted drafts per verified request; returns the new depth."""
-        self._sum += mean_accepted
-        self._steps += 1
-        if self._steps == WINDOW_STEPS:
-            target = self.target(self._sum / WINDOW_STEPS)
-            self.depth = target if target < self.depth else min(self.depth + 1, target)
-            self._sum, self._steps = 0.0, 0
+    def survival(self) -> np.ndarray:
+        """S_1..S_K, positions without data taking their predecessor's ratio."""
+        ratios, last = np.empty(self.max_depth), 1.0
+        for j in range(self.max_depth):
+            if self.reached[j] >= MIN_REACHED:
+                last = self.accepted[j] / self.reached[j]
+            ratios[j] = last
+        return np.cumprod(ratios)
+
+    def length_target(self) -> int:
+        expected = float(self.survival().sum())
+        return max(1, min(self.max_depth, math.floor(expected + MARGIN)))
+
+    def update(self, target: int) -> int:
+        """Once per step: drop to ``target`` at once, or climb one toward it once a window
+        has passed since the last climb; returns the depth."""
+        self._since_climb += 1
+        if target < self.depth:
+            self.depth = target
+        elif target > self.depth and self._since_climb >= WINDOW_STEPS:
+            self.depth += 1
+            self._since_climb = 0
         return self.depth

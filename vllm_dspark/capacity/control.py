@@ -8,20 +8,22 @@ they split over the requests (on the device). The modes:
 - ``budget``: B = ceil(R*K*budget_frac), split by proposal-time survival;
 - ``threshold`` / ``sps``: B from the previous proposal's wanted count
   (:mod:`vllm_dspark.capacity.allocation`), split by survival;
-- ``acceptance``: every request verifies d drafts, d following the recent mean accepted
-  length (:mod:`vllm_dspark.capacity.acceptance`); needs no confidence head.
+- ``acceptance``: every request verifies d drafts, d chosen from the recent acceptance
+  per position and the SPS curve (:mod:`vllm_dspark.capacity.acceptance`); needs no
+  confidence head.
 
 With ``sps`` and its curve profiled at start-up, the drafter's time is profiled too and
-:mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under load. ``sps``
-and the gate count each step's time outside the curve (:mod:`step_overhead`).
+:mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under load. ``sps``,
+``acceptance`` and the gate count each step's time outside the curve (:mod:`step_overhead`).
 """
 
 from __future__ import annotations
 
 import torch
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 
-from vllm_dspark.capacity.acceptance import AcceptanceDepth
+from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth, position_counts
 from vllm_dspark.capacity.allocation import (
     admission_budget,
     budget_capacity,
@@ -36,6 +38,11 @@ from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.triton_path import use_triton
+
+logger = init_logger(__name__)
+
+# Modes that weigh the target's SPS curve and the step's time outside it.
+CURVE_MODES = ("sps", "acceptance")
 
 # The admission fingerprint's modulus (2^31 - 1) and multiplier: products fit in int64.
 _FINGERPRINT_MOD = 2_147_483_647
@@ -87,22 +94,31 @@ class CapacityControl:
         self.step_overhead = None
         self.step_tokens = None
         self.steps_since_varied = 0
-        if options.capacity == "sps" and options.step_overhead_ms == "auto":
+        uses_curve = options.capacity in CURVE_MODES
+        if uses_curve and options.step_overhead_ms == "auto":
             if self.measured_overhead is None:
                 self.measured_overhead = StepOverhead(device, None, _tp_reduce_max())
             self.step_overhead = self.measured_overhead
-        elif options.capacity == "sps":
+        elif uses_curve:
             self.step_overhead = StepOverhead(device, options.step_overhead_ms / 1000.0)
         # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve);
         # an engine switched back to auto (switch_capacity) reuses its profile.
         self.profiled_sps_curve = getattr(self, "profiled_sps_curve", None)
-        auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
+        auto_sps = uses_curve and options.sps_curve == "auto"
         self.needs_sps_profile = auto_sps and self.profiled_sps_curve is None
-        if self.needs_sps_profile:
-            _check_sps_profiling_possible(vllm_config)
-        elif auto_sps:
+        if self.needs_sps_profile and not _has_full_decode_graphs(vllm_config):
+            if options.capacity == "sps":
+                _refuse_sps_profiling(vllm_config)
+            # acceptance keeps working without graphs, on its length rule.
+            logger.warning(
+                "vllm-dspark: no FULL decode CUDA graph to profile the SPS curve; "
+                "%scapacity=acceptance follows the accepted length alone.",
+                KEY_PREFIX,
+            )
+            self.needs_sps_profile = False
+        elif auto_sps and self.profiled_sps_curve is not None:
             self.set_sps_curve(self.profiled_sps_curve, device)
-        elif options.capacity == "sps":
+        elif uses_curve and options.sps_curve != "auto":
             self.set_sps_curve(options.sps_curve, device)
         # Whether to draft at all (sps with profiled costs), and whether the last proposal
         # did: the step verifying a skipped proposal verifies nothing.
@@ -112,11 +128,13 @@ class CapacityControl:
         self.proposals_skipped = 0
         if auto_sps and self.profiled_draft_ms is not None:
             self.set_draft_cost(self.profiled_draft_ms)
-        # acceptance: a depth from the mean accepted length of verified steps.
+        # acceptance: a depth from verified steps' acceptance per position (their counts
+        # of verifications reaching, then accepting, each position: 2 K values).
         self.acceptance = None
         if options.capacity == "acceptance":
             self.acceptance = AcceptanceDepth(num_drafts)
-            self.stale_accepted = StalePerRequest(device, float(num_drafts))
+            self.stale_position_counts = StalePerRequest(device, [0.0] * (2 * num_drafts))
+            self.position_counts_read = 0
         # dynamic_depth: sequential positions the drafter computes, from recent admissions.
         self.physical_depth = None
         if options.dynamic_depth:
@@ -250,15 +268,35 @@ class CapacityControl:
             # The drafts being verified were computed to the depth of the last proposal.
             cap = min(cap, num_reqs * self.draft_depth)
         if self.acceptance is not None:
-            return num_reqs * self.acceptance.observe(self.stale_accepted.per_request())
-        if self.stale_budget is None:
+            budget = num_reqs * self._acceptance_depth(num_reqs)
+        elif self.stale_budget is None:
             return cap
-        wanted = round(self.stale_budget.per_request() * num_reqs)
-        # At least one draft: a compacted step always has drafts to verify.
-        budget = max(1, min(cap, wanted))
+        else:
+            wanted = round(self.stale_budget.per_request() * num_reqs)
+            # At least one draft: a compacted step always has drafts to verify.
+            budget = max(1, min(cap, wanted))
         if self.step_overhead is not None and self.step_overhead.measuring:
             budget = self._vary_admission(budget)
         return budget
+
+    def _acceptance_depth(self, num_reqs: int) -> int:
+        """acceptance: the depth every request verifies this step, after taking in the
+        newest verified step's counts."""
+        counts = self.stale_position_counts
+        if counts.proposals != self.position_counts_read:
+            self.position_counts_read = counts.proposals
+            totals, num_drafts = counts.per_request(), self.num_speculative_steps
+            self.acceptance.observe(totals[:num_drafts], totals[num_drafts:])
+        if self.sps_table_host is None:
+            return self.acceptance.update(self.acceptance.length_target())
+        fixed = per_draft = 0.0
+        overhead = self.step_overhead
+        if overhead.ready:
+            fixed, per_draft = overhead.per_step_seconds(num_reqs), overhead.per_draft_seconds
+        target = best_depth(
+            self.acceptance.survival(), num_reqs, self.sps_table_host, fixed, per_draft
+        )
+        return self.acceptance.update(target)
 
     def _vary_admission(self, budget: int) -> int:
         """sps measuring its step overhead: one step in EXPLORE_EVERY verifies the better
@@ -273,8 +311,8 @@ class CapacityControl:
         return budget // 2
 
     def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
-        """k_r of each request: the same depth for all (acceptance), else the ``budget``
-        best slots by proposal-time survival."""
+        """k_r of each request: the same depth for all (acceptance; a budget varied to
+        half rounds down), else the ``budget`` best slots by proposal-time survival."""
         if self.acceptance is not None:
             return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
         return budget_capacity(self.slot_survival[slots], budget)
@@ -328,12 +366,12 @@ class CapacityControl:
         return pending
 
     def record_verification(self, num_verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """After a real step's verification (:func:`verification_counts`): the accepted
-        drafts of its decode requests, for the acceptance controller."""
+        """After a real step's verification (:func:`verification_counts`): its counts per
+        position, for the acceptance controller."""
         if self.acceptance is None:
             return
-        verified = num_verified > 0
-        self.stale_accepted.record((num_accepted * verified).sum(), verified.sum())
+        reached, accepted = position_counts(num_verified, num_accepted, self.num_speculative_steps)
+        self.stale_position_counts.record(torch.cat([reached, accepted]).float(), 1)
 
     def record_proposal(self, survival: torch.Tensor) -> None:
         """After a real proposal: how many of its drafts threshold / sps want verified,
@@ -406,18 +444,22 @@ def _tp_reduce_max():
 COMPACTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
 
 
-def _check_sps_profiling_possible(vllm_config: VllmConfig) -> None:
-    """``auto`` times the target's FULL decode CUDA graphs: refuse when there are none."""
+def _has_full_decode_graphs(vllm_config: VllmConfig) -> bool:
+    """Whether the target captures FULL decode CUDA graphs, which ``auto`` times."""
     from vllm.config.compilation import CUDAGraphMode
 
     mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is None or mode.decode_mode() != CUDAGraphMode.FULL:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}sps_curve='auto' profiles the target's FULL decode CUDA "
-            f"graphs at start-up, and this engine captures none (cudagraph_mode={mode}, "
-            "enforce_eager turns them off). Valid here: a curve, e.g. the JSON "
-            "benchmarks/profile_dspark_sps_curve.py writes."
-        )
+    return mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
+
+
+def _refuse_sps_profiling(vllm_config: VllmConfig) -> None:
+    mode = vllm_config.compilation_config.cudagraph_mode
+    raise DSparkOptionError(
+        f"vllm-dspark: {KEY_PREFIX}sps_curve='auto' profiles the target's FULL decode CUDA "
+        f"graphs at start-up, and this engine captures none (cudagraph_mode={mode}, "
+        "enforce_eager turns them off). Valid here: a curve, e.g. the JSON "
+        "benchmarks/profile_dspark_sps_curve.py writes."
+    )
 
 
 def _check_compaction_supported(vllm_config: VllmConfig) -> None:

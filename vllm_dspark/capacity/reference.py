@@ -94,8 +94,9 @@ class Admission:
         return budget_capacity(survival, budget)
 
     def after_step(self, count: torch.Tensor, num_drafts: int) -> None:
-        """The step's output counts (accepted + 1) [B, R]: acceptance's next depth, the
-        served target clamp(floor(mean accepted + 1.5), 1, K) (without the windows)."""
+        """The step's output counts (accepted + 1) [B, R]: acceptance's next depth, a
+        function of this step's acceptance alone, clamp(floor(mean accepted + 1.5), 1, K)
+        (the served controller weighs the same past, per position, with the SPS curve)."""
         if self.mode == "acceptance":
             mean_accepted = (count - 1).double().mean(dim=-1)
             self._depth = (mean_accepted + 1.5).floor().long().clamp(1, num_drafts)

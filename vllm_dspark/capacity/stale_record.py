@@ -30,13 +30,13 @@ class StalePerRequest:
         # Two records, (total..., requests), written alternately by successive steps.
         self._records = torch.zeros(2, width + 1, dtype=torch.float32, pin_memory=cuda)
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self._proposals = 0
+        self.proposals = 0  # records made
         self._per_request = initial_per_request
 
     def record(self, total: torch.Tensor, num_reqs: torch.Tensor | int) -> None:
         """After a real step: its total (device scalar, or vector of the record's width)
         over ``num_reqs`` requests."""
-        slot = self._proposals % 2
+        slot = self.proposals % 2
         self._records[slot, :-1].copy_(total.reshape(-1), non_blocking=True)
         if isinstance(num_reqs, torch.Tensor):
             self._records[slot, -1].copy_(num_reqs, non_blocking=True)
@@ -45,13 +45,13 @@ class StalePerRequest:
         event = self._events[slot]
         if event is not None:
             event.record()
-        self._proposals += 1
+        self.proposals += 1
 
     def per_request(self) -> float | list[float]:
         """The total per request of the proposal before the last one (at first, the
         initial value)."""
-        if self._proposals >= 2:
-            slot = (self._proposals - 2) % 2
+        if self.proposals >= 2:
+            slot = (self.proposals - 2) % 2
             event = self._events[slot]
             if event is not None:
                 event.synchronize()
