@@ -323,6 +323,14 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_
         assert budgets == [3 * depth for depth in expected]
         depths = control.verify_capacity(torch.tensor([4, 0, 9]), budgets[-1])
         assert depths.tolist() == [expected[-1]] * 3
+    # Fitting the step's overhead, one step in EXPLORE_EVERY verifies half the depth: still
+    # one depth for every request.
+    from vllm_dspark.capacity.control import EXPLORE_EVERY
+
+    flat = speculator(dspark_sps_curve=[[1, 100.0], [64, 100.0]])
+    assert flat.step_overhead.measuring
+    budgets = [flat.admission_budget(3) for _ in range(EXPLORE_EVERY)]
+    assert budgets == [3 * K] * (EXPLORE_EVERY - 1) + [3 * (K // 2)]
 
 
 def test_ranks_fed_alike_decide_alike(engine_config, model_dirs):

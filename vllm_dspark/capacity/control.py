@@ -267,17 +267,17 @@ class CapacityControl:
         if self.physical_depth is not None:
             # The drafts being verified were computed to the depth of the last proposal.
             cap = min(cap, num_reqs * self.draft_depth)
+        measuring = self.step_overhead is not None and self.step_overhead.measuring
         if self.acceptance is not None:
-            budget = num_reqs * self._acceptance_depth(num_reqs)
-        elif self.stale_budget is None:
+            # Varied per request, so that every request still verifies the same depth.
+            depth = self._acceptance_depth(num_reqs)
+            return num_reqs * (self._vary_admission(depth) if measuring else depth)
+        if self.stale_budget is None:
             return cap
-        else:
-            wanted = round(self.stale_budget.per_request() * num_reqs)
-            # At least one draft: a compacted step always has drafts to verify.
-            budget = max(1, min(cap, wanted))
-        if self.step_overhead is not None and self.step_overhead.measuring:
-            budget = self._vary_admission(budget)
-        return budget
+        wanted = round(self.stale_budget.per_request() * num_reqs)
+        # At least one draft: a compacted step always has drafts to verify.
+        budget = max(1, min(cap, wanted))
+        return self._vary_admission(budget) if measuring else budget
 
     def _acceptance_depth(self, num_reqs: int) -> int:
         """acceptance: the depth every request verifies this step, after taking in the
@@ -299,11 +299,12 @@ class CapacityControl:
         return self.acceptance.update(target)
 
     def _vary_admission(self, budget: int) -> int:
-        """sps measuring its step overhead: one step in EXPLORE_EVERY verifies the better
-        half of its admission only. Steps that all verify the same number of drafts (an
-        admission that has settled) cannot tell the per-draft time from the per-step time
-        (``step_overhead``); this step can, for the price of its less likely half of the
-        drafts. A function of the step count alone: lossless, and the same on every rank."""
+        """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY
+        verifies the better half of its admission only (of its depth, for acceptance).
+        Steps that all verify the same number of drafts (an admission that has settled)
+        cannot tell the per-draft time from the per-step time (``step_overhead``); this
+        step can, for the price of its less likely half of the drafts. A function of the
+        step count alone: lossless, and the same on every rank."""
         self.steps_since_varied += 1
         if self.steps_since_varied < EXPLORE_EVERY or budget < 2:
             return budget
@@ -311,8 +312,8 @@ class CapacityControl:
         return budget // 2
 
     def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
-        """k_r of each request: the same depth for all (acceptance; a budget varied to
-        half rounds down), else the ``budget`` best slots by proposal-time survival."""
+        """k_r of each request: the same depth for all (acceptance), else the ``budget``
+        best slots by proposal-time survival."""
         if self.acceptance is not None:
             return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
         return budget_capacity(self.slot_survival[slots], budget)
