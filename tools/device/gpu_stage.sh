@@ -62,7 +62,8 @@ use_recalibrated() {
     cp -r "$RECAL"/. vllm_dspark/data/tiny_pair/ && echo "using the recalibrated pair"
   fi
 }
-quiet() { grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" ; }
+# Line-buffered, so that a stage's log under $OUT shows how far it got when it is cut.
+quiet() { grep --line-buffered -v "^INFO\|^WARNING\|^(EngineCore\|^\[" ; }
 case "$stage" in
   kernels)
     PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_capacity_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
@@ -105,7 +106,8 @@ case "$stage" in
     vllm_env
     timeout 1300 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
       --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
-      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -30
+      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tee "$OUT/$stage.log" \
+      | tail -30
     ;;
   depth)
     vllm_env
@@ -148,7 +150,8 @@ case "$stage" in
   dflash)
     vllm_env
     timeout 900 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance \
-      --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet | tail -14
+      --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
+      | tee "$OUT/dflash.log" | tail -14
     ;;
   sts)
     vllm_env; use_recalibrated
@@ -190,10 +193,12 @@ case "$stage" in
   capacity-embedded)
     vllm_env
     # Graphs to 2048 tokens (every arm): the tiny pair is host-bound, and vLLM's default
-    # 512 leaves speculative steps past 64 requests (and their drafter) eager.
-    timeout 900 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
+    # 512 leaves speculative steps past 64 requests (and their drafter) eager. The first
+    # engine (no speculation) took 2 min at 2e9fa62: 1,200 s for the four.
+    timeout 1200 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
       --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
-      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tail -30
+      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tee "$OUT/$stage.log" \
+      | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
