@@ -5,7 +5,10 @@
     python benchmarks/step_breakdown.py --arms dspark-k3,dspark-k7 --merge part1.json \
         --out benchmarks/results/step_breakdown.json
 
-The Qwen3-8B shape with dummy weights (``benchmarks/shapes.py``), one engine per arm in
+The Qwen3-8B shape with dummy weights (``benchmarks/shapes.py``), or with ``--pair
+embedded`` the trained pair (real verification on windows of its held-out text, its own
+confidence head; arms of k=7 only: ``nospec``, ``dspark-k7``, ``sps-k7``, where the draft
+gate's skipped proposals show what a closed gate still costs), one engine per arm in
 its own process (as ``offline_sweep.py``: the same engine arguments, greedy, EOS ignored).
 DSpark arms use vLLM's synthetic acceptance (``rejection_sample_method: "synthetic"``,
 ``synthetic_acceptance_rates`` = ``offline_sweep.DEFAULT_RATES`` truncated to k). The
@@ -130,6 +133,7 @@ from offline_sweep import (  # noqa: E402
     DEFAULT_RATES,
     conditional_rates,
     engine_kwargs,
+    heldout_stream,
     sweep_prompts,
 )
 from shapes import write_shape  # noqa: E402
@@ -884,22 +888,30 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def speculative_config(
-    k: int, draft: str, rates: str, acceptance: str = "rates", options: dict | None = None
+    k: int,
+    draft: str,
+    rates: str,
+    acceptance: str = "rates",
+    options: dict | None = None,
+    real: bool = False,
 ) -> dict | None:
     """DSpark with k drafts and vLLM's synthetic acceptance (the first k rates); with
     ``acceptance`` "confidence", drafts accepted with their own synthetic confidence
     around the same rates; "sps", that and the plugin's sps mode. ``options``: further
-    keys (the plugin's)."""
+    keys (the plugin's). ``real``: a trained pair, whose drafts are verified for real and
+    whose confidence head is its own (no synthetic key)."""
     if k == 0:
         return None
     values = [float(r) for r in rates.split(",")]
     if len(values) < k:
         raise ValueError(f"--rates has {len(values)} values; k={k} needs {k}")
     config = {"method": "dspark", "model": draft, "num_speculative_tokens": k, **(options or {})}
-    if acceptance != "rates":
-        config["dspark_synthetic_confidence"] = conditional_rates(values[:k])
     if acceptance == "sps":
         config |= {"dspark_capacity": "sps", "dspark_varlen_verify": True}
+    if real:
+        return config
+    if acceptance != "rates":
+        config["dspark_synthetic_confidence"] = conditional_rates(values[:k])
     if acceptance != "rates":
         return config
     return config | {
@@ -918,17 +930,20 @@ def run_arm_here(spec: dict) -> None:
 
     k = spec["k"]
     started = time.perf_counter()
+    real = spec["pair"] == "embedded"
     llm = LLM(
-        **engine_kwargs(spec["target"], graphs_to=spec.get("graphs_to")),
+        **engine_kwargs(spec["target"], dummy=not real, graphs_to=spec.get("graphs_to")),
         speculative_config=speculative_config(
-            k, spec["draft"], spec["rates"], spec["acceptance"], spec["options"]
+            k, spec["draft"], spec["rates"], spec["acceptance"], spec["options"], real
         ),
     )
     engine_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
 
+    stream = heldout_stream() if real else None  # text the trained drafter knows
+
     def prompts(count: int, offset: int):
-        return sweep_prompts(count, offset, spec["prompt_len"])
+        return sweep_prompts(count, offset, spec["prompt_len"], stream)
 
     llm.generate(prompts(8, 0), params, use_tqdm=False)
     probe = llm.collective_rpc(install_probe, args=(spec["shadow"],))[0]
@@ -969,6 +984,7 @@ def run_arm_here(spec: dict) -> None:
 
 
 def write_record(path: Path, rows: list[dict], setup: dict, earlier=()) -> None:
+    title = setup["shape"] + ("" if "pair" in setup["shape"] else ", synthetic acceptance")
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "earlier_commands": list(earlier),
@@ -988,7 +1004,7 @@ def write_record(path: Path, rows: list[dict], setup: dict, earlier=()) -> None:
         plot(
             plotted,
             path.with_suffix(".png"),
-            f"Qwen3-8B shape (dummy weights), synthetic acceptance, on {record['device']}",
+            f"{title}, on {record['device']}",
         )
     except ImportError as error:  # the JSON is what matters; plot it later
         print(f"no plot: {error}", file=sys.stderr)
@@ -997,6 +1013,13 @@ def write_record(path: Path, rows: list[dict], setup: dict, earlier=()) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument(
+        "--pair",
+        choices=["qwen3-8b", "embedded"],
+        default="qwen3-8b",
+        help="qwen3-8b: the shape with dummy weights and synthetic acceptance; embedded: the "
+        "trained pair, real verification on windows of its held-out text (k=7 arms only)",
+    )
     parser.add_argument("--concurrency", default="1,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -1025,27 +1048,41 @@ def main() -> int:
     unknown = [arm for arm in arms if arm not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    root = Path(tempfile.mkdtemp())
-    target = write_shape(SHAPE, root)["target"]
+    embedded = args.pair == "embedded"
+    if embedded:
+        from vllm_dspark.demo import EMBEDDED_PAIR
+
+        # Its drafter was trained with blocks of 7 (see the Block size section).
+        fits = [arm for arm in arms if ARMS[arm][0] in (0, 7)]
+        if fits != arms:
+            parser.error(f"--pair embedded runs k=7 arms only; not {sorted(set(arms) - set(fits))}")
+        target, pair_draft = str(EMBEDDED_PAIR / "target"), str(EMBEDDED_PAIR / "draft")
+    else:
+        root = Path(tempfile.mkdtemp())
+        target = write_shape(SHAPE, root)["target"]
     rows, earlier = [], []
     if args.merge:
         merged = json.loads(args.merge.read_text())
         rows, earlier = merged["rows"], [*merged.get("earlier_commands", []), merged["command"]]
     setup = {
-        "shape": f"{SHAPE}, dummy weights",
+        "shape": "embedded pair" if embedded else f"{SHAPE}, dummy weights",
         "engine": {
             k: v for k, v in engine_kwargs("", graphs_to=args.graphs_to).items() if k != "model"
         },
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
-        "rates": args.rates,
+        "rates": None if embedded else args.rates,
         "shadow": {"steps": args.shadow_steps, "repeats": args.shadow_repeats},
     }
     for arm in arms:
         k, acceptance, options = ARMS[arm]
         # Each DSpark arm's draft is written with block_size = k (module docstring).
-        draft = write_shape(SHAPE, root / f"block{k}", block=k)["draft"] if k else None
+        if embedded:
+            draft = pair_draft if k else None
+        else:
+            draft = write_shape(SHAPE, root / f"block{k}", block=k)["draft"] if k else None
         spec = {
+            "pair": args.pair,
             "target": target,
             "draft": draft,
             "k": k,

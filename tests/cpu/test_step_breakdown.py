@@ -642,3 +642,24 @@ def test_host_profile_reports_time_per_execute_model_call():
     # Nearly all of a step is busy's own time, counted once per step.
     step_us = cumulative["execute_model"]["cumulative_us_per_step"]
     assert 0.9 * step_us <= report["by_own_time"][0]["own_us_per_step"] <= step_us
+
+
+def test_the_embedded_pair_runs_its_own_acceptance_and_confidence():
+    sps = sb.speculative_config(7, "pair/draft", DEFAULT_RATES, acceptance="sps", real=True)
+    assert sps == {
+        "method": "dspark",
+        "model": "pair/draft",
+        "num_speculative_tokens": 7,
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+    }
+    fixed = sb.speculative_config(7, "pair/draft", DEFAULT_RATES, real=True)
+    assert fixed == {"method": "dspark", "model": "pair/draft", "num_speculative_tokens": 7}
+
+
+def test_the_embedded_pair_refuses_arms_its_drafter_was_not_trained_for(monkeypatch, capsys):
+    arguments = ["--pair", "embedded", "--arms", "nospec,dspark-k3", "--out", "unused.json"]
+    monkeypatch.setattr(sys, "argv", ["step_breakdown.py", *arguments])
+    with pytest.raises(SystemExit):
+        sb.main()
+    assert "k=7 arms only; not ['dspark-k3']" in capsys.readouterr().err

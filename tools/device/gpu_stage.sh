@@ -27,6 +27,8 @@
 #            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
 #            fourth, graphs up to that many tokens per step (--graphs-to)
+#   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7, graphs
+#            to 2048 tokens (~5 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
 #            speculation, then setup (b)'s capacity sweep at TP 2 with every rank's
 #            admissions compared (vLLM; run on kind nvidia-h200-x2 or -x4, from the queue)
@@ -130,6 +132,14 @@ case "$stage" in
     timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
       ${4:+--graphs-to "$4"} --host-profile 40 --out "$OUT/$name.json" 2>&1 | quiet | tail -20
     cp "$OUT/$name.json" "/tmp/$name.json"
+    ;;
+  breakdown-embedded)
+    vllm_env; use_recalibrated
+    # Setup (a)'s step: no speculation, fixed k=7 and sps (whose closed draft gate's steps
+    # show what skipping still costs), graphs to 2048 tokens as capacity-embedded.
+    timeout 900 python3 benchmarks/step_breakdown.py --pair embedded --graphs-to 2048 \
+      --arms nospec,dspark-k7,sps-k7 --host-profile 40 --out "$OUT/step_breakdown_embedded.json" \
+      2>&1 | quiet | tee "$OUT/$stage.log" | tail -20
     ;;
   tp)
     vllm_env; use_recalibrated
