@@ -1,0 +1,56 @@
+"""tools/sts_ceiling.py: what temperatures can reach, on verify records with a known truth."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+
+from sts_ceiling import noise_floor, split_by_prompt, study  # noqa: E402
+
+K = 3
+
+
+def records(scale: float, steps: int = 20_000, seed: int = 0):
+    """Verify records whose confidence logits are the true ones times ``scale`` (1: a
+    calibrated head; 2: overconfident, which temperature 2 undoes)."""
+    rng = np.random.default_rng(seed)
+    true_logits = rng.normal(0.5, 1.5, (steps, K))
+    accepted = rng.random((steps, K)) < 1 / (1 + np.exp(-true_logits))
+    return true_logits * scale, accepted, rng.integers(0, 100, steps)
+
+
+def test_a_calibrated_head_sits_at_the_noise_floor_and_keeps_temperature_one():
+    logits, accepted, prompts = records(scale=1.0)
+    found = study(logits, accepted, prompts, [1.0] * K, splits=1)
+    assert found["sts_in_sample"]["temperatures"] == pytest.approx([1.0] * K, abs=0.1)
+    floor = found["noise_floor_same_steps"]
+    assert all(0 < f < 0.02 for f in floor)
+    assert found["ece_temperature_1"] == pytest.approx(floor, abs=0.01)
+
+
+def test_an_overconfident_head_is_fixed_by_its_temperature_in_and_out_of_sample():
+    logits, accepted, prompts = records(scale=2.0)
+    found = study(logits, accepted, prompts, [1.0] * K, splits=2)
+    assert found["sts_in_sample"]["temperatures"] == pytest.approx([2.0] * K, rel=0.15)
+    assert min(found["ece_temperature_1"]) > 0.04
+    assert max(found["sts_fit_on_half_scored_on_other_half"]) < 0.02
+    # The reliability table shows the overconfidence: low predictions come true more often.
+    low = found["reliability_checkpoint_temperatures"][0][0]
+    assert low["observed"] > low["predicted"]
+
+
+def test_halves_split_prompts_not_steps():
+    prompts = np.repeat(np.arange(10), 5)
+    half = split_by_prompt(prompts, seed=1)
+    assert half.sum() == 25
+    assert all(len(set(half[prompts == p])) == 1 for p in range(10))
+
+
+def test_noise_floor_shrinks_with_more_steps():
+    predicted = np.cumprod(np.full((1000, K), 0.7), axis=1)
+    few = noise_floor(predicted[:200], draws=50)
+    many = noise_floor(predicted, draws=50)
+    assert all(m < f for m, f in zip(many, few, strict=True))
