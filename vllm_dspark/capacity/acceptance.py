@@ -7,12 +7,13 @@ What it learns. Per draft position j, how many verifications reached j (j was ve
 and every earlier draft accepted) and how many of those accepted it, as counts that decay
 by ``DECAY`` per step. Their ratio a_j is the position's acceptance given the ones before.
 A position the current depth does not verify keeps its last ratio (decay scales both of
-its counts alike), and one never verified takes its predecessor's (1 at first, so the
-controller starts at K). The survival S_j = a_1 ... a_j is the chance that a request
-accepts its first j drafts, so 1 + S_1 + ... + S_d is the tokens a request gains per
-step at depth d. Reading the mean accepted length off the steps themselves instead would
-be censored: at depth d no request accepts more than d, so a rule on that mean (such as
-floor(mean + 1.5)) stalls below the depth the drafter deserves.
+its counts alike) until its counts fade out (some hundreds of steps), and one without
+counts takes its predecessor's (1 at first, so the controller starts at K). The
+survival S_j = a_1 ... a_j is the chance that a request accepts its first j drafts, so
+1 + S_1 + ... + S_d is the tokens a request gains per step at depth d. Reading the mean
+accepted length off the steps themselves instead would be censored: at depth d no
+request accepts more than d, so a rule on that mean (such as floor(mean + 1.5)) stalls
+below the depth the drafter deserves.
 
 What it picks:
 - with the target's SPS curve (``dspark_sps_curve``, profiled at start-up by default):
