@@ -333,6 +333,23 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_
     assert budgets == [3 * K] * (EXPLORE_EVERY - 1) + [3 * (K // 2)]
 
 
+def test_acceptance_ranks_fed_alike_pick_alike(engine_config, model_dirs):
+    """Tensor parallelism: two ranks given the same verification results (and the same
+    curve) pick the same depth every step, while the depth moves."""
+    options = {"dspark_capacity": "acceptance", "dspark_sps_curve": [[1, 190.0], [2048, 17.0]]}
+    ranks = [build_speculator(engine_config, model_dirs, **options) for _ in range(2)]
+    gen, depths = torch.Generator().manual_seed(5), []
+    for step in range(40):
+        num_reqs = 1 + step % 5 * 60
+        decisions = [rank.admission_budget(num_reqs) for rank in ranks]
+        assert decisions[0] == decisions[1], step
+        depths.append(decisions[0] // num_reqs)
+        counts = verify_geometric(depths[-1], num_reqs, 0.7, gen)
+        for rank in ranks:
+            rank.record_verification(*counts)
+    assert len(set(depths)) > 1
+
+
 def test_ranks_fed_alike_decide_alike(engine_config, model_dirs):
     """Tensor parallelism: every rank must verify the same drafts. Two speculators (two
     ranks) given the same survivals and verification results pick bit-identical budgets
