@@ -52,8 +52,7 @@ case "$cmd" in
       done
       rc=0
       for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-      for member in "${group[@]}"; do cat "$root/results/${member%%:*}"-*.log; done >> "$root/log"
-      rm -f "$root"/results/*.log
+      cat "$root"/results/*.log >> "$root/log"; rm -f "$root"/results/*.log  # this item's
       echo "== $(date +%T) $item rc=$rc" >> "$root/log"
       if [ "$rc" != 0 ] && [ "$item" != "${item%!}" ]; then
         echo "== $(date +%T) queue stopped: $item failed" >> "$root/log"; break
