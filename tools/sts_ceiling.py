@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, fro
 
 from vllm_dspark.tiny_pair.calibration import (  # noqa: E402
     DEFAULT_NUM_BINS,
+    calibration_report,
     expected_calibration_error,
     fit_sequential_temperature_scaling,
     survival,
@@ -37,14 +38,6 @@ from vllm_dspark.tiny_pair.calibration import (  # noqa: E402
 )
 
 NOISE_DRAWS = 200
-
-
-def position_ece(logits: np.ndarray, accepted: np.ndarray, temperatures=None) -> list[float]:
-    events = survival_events(accepted)
-    return [
-        expected_calibration_error(s, events[:, k])
-        for k, s in enumerate(survival(logits, temperatures).T)
-    ]
 
 
 def split_by_prompt(prompt_of_step: np.ndarray, seed: int) -> np.ndarray:
@@ -95,13 +88,16 @@ def study(
             temperatures = fit_sequential_temperature_scaling(
                 logits[fit_on], accepted[fit_on]
             ).temperatures
-            held_out.append(position_ece(logits[score_on], accepted[score_on], temperatures))
+            scored = calibration_report(logits[score_on], accepted[score_on], temperatures)
+            held_out.append(scored["ece_sts"])
     events = survival_events(accepted)
     at_checkpoint = survival(logits, checkpoint_t)
     return {
         "steps": len(logits),
-        "ece_temperature_1": position_ece(logits, accepted),
-        "ece_checkpoint_temperatures": position_ece(logits, accepted, checkpoint_t),
+        "ece_temperature_1": fit.ece_before,
+        "ece_checkpoint_temperatures": calibration_report(logits, accepted, checkpoint_t)[
+            "ece_sts"
+        ],
         "sts_in_sample": {"temperatures": fit.temperatures, "ece": fit.ece_after},
         "sts_fit_on_half_scored_on_other_half": np.mean(held_out, axis=0).tolist(),
         "noise_floor_same_steps": noise_floor(at_checkpoint, NOISE_DRAWS),
