@@ -14,7 +14,8 @@
 #            speculation (vLLM; 4 engines of ~60-90 s; a pytest -k expression as the third
 #            argument selects)
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
-#   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages
+#   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages;
+#            third argument embedded: the embedded pair's target (real weights) instead
 #   capacity-qwen3
 #            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence,
 #            one run: no speculation, fixed k=7, Dynamic SD (three engines), then budget,
@@ -101,8 +102,15 @@ case "$stage" in
     ;;
   sps)
     vllm_env
-    timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --shape qwen3-8b --out "$OUT/sps_curve_qwen3_8b.json" 2>&1 | quiet | tail -40
-    cp "$OUT/sps_curve_qwen3_8b.json" /tmp/sps_curve_qwen3_8b.json
+    if [ "${3:-qwen3-8b}" = embedded ]; then
+      timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --real-weights \
+        --target vllm_dspark/data/tiny_pair/target --out "$OUT/sps_curve_embedded.json" 2>&1 \
+        | quiet | tail -40
+    else
+      timeout 300 python3 benchmarks/profile_dspark_sps_curve.py --shape qwen3-8b \
+        --out "$OUT/sps_curve_qwen3_8b.json" 2>&1 | quiet | tail -40
+      cp "$OUT/sps_curve_qwen3_8b.json" /tmp/sps_curve_qwen3_8b.json
+    fi
     ;;
   capacity-qwen3)
     vllm_env
