@@ -271,3 +271,84 @@ def test_the_sweeps_dynamic_sd_arm_runs_the_tuned_table():
     assert arm == table["num_speculative_tokens_per_batch_size"]
     assert arm[0][0] == 1 and arm[-1][1] >= 256
     assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(arm))  # contiguous ranges
+
+
+STUB_SERVER = """
+import json
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+seen = []
+
+
+async def completions(request):
+    body = await request.json()
+    seen.append(body["prompt"][0])
+
+    def chunk(choices, usage):
+        return "data: " + json.dumps({"id": "c", "object": "text_completion", "created": 0,
+                                      "model": "m", "choices": choices, "usage": usage}) + "\\n\\n"
+
+    async def stream():
+        for _ in range(body["max_tokens"]):
+            yield chunk([{"index": 0, "text": "", "finish_reason": None}], None)
+        count = body["max_tokens"]
+        yield chunk([], {"prompt_tokens": 1, "completion_tokens": count, "total_tokens": count})
+        yield "data: [DONE]\\n\\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def seen_prompts(request):
+    return JSONResponse(seen)
+
+
+app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                        Route("/seen", seen_prompts)])
+"""
+
+
+@pytest.fixture
+def stub_server(tmp_path):
+    """A streaming completions endpoint that counts the prompts it was sent."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from vllm_dspark.serving import free_port
+
+    (tmp_path / "stub_server.py").write_text(STUB_SERVER)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "stub_server:app", "--port", str(port)],
+        cwd=tmp_path,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/seen", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_streams_spread_over_client_processes_run_every_prompt_once(stub_server):
+    import urllib.request
+
+    from serve_sweep import STREAMS_PER_CLIENT, drive
+
+    concurrency = STREAMS_PER_CLIENT + 8  # two client processes of 20 streams
+    prompts = [[1000 + i, 5, 6] for i in range(2 * concurrency)]
+    results, seconds, client_cpu = drive(stub_server, "m", prompts, concurrency, output_len=6)
+    seen = json.loads(urllib.request.urlopen(stub_server + "/seen").read())
+    assert sorted(seen) == [prompt[0] for prompt in prompts]  # each once, none lost
+    assert len(results) == len(prompts)
+    assert all(result["tokens"] == 6 for result in results)
+    assert seconds > 0 and client_cpu > 0
