@@ -28,8 +28,8 @@
 #            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
 #            fourth, graphs up to that many tokens per step (--graphs-to)
-#   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7, graphs
-#            to 2048 tokens (~5 min)
+#   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7 (or the
+#            arms given as third argument), graphs to 2048 tokens (~5 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
 #            speculation, then setup (b)'s capacity sweep at TP 2 with every rank's
 #            admissions compared (vLLM; run on kind nvidia-h200-x2 or -x4, from the queue)
@@ -146,7 +146,7 @@ case "$stage" in
     # Setup (a)'s step: no speculation, fixed k=7 and sps (whose closed draft gate's steps
     # show what skipping still costs), graphs to 2048 tokens as capacity-embedded.
     timeout 900 python3 benchmarks/step_breakdown.py --pair embedded --graphs-to 2048 \
-      --arms nospec,dspark-k7,sps-k7 --host-profile 40 --out "$OUT/step_breakdown_embedded.json" \
+      --arms "${3:-nospec,dspark-k7,sps-k7}" --host-profile 40 --out "$OUT/step_breakdown_embedded.json" \
       2>&1 | quiet | tee "$OUT/$stage.log" | tail -20
     ;;
   tp)
