@@ -71,6 +71,12 @@ ARMS = {
         "dspark_varlen_verify": True,
         "dspark_dynamic_depth": True,
     },
+    # sps whose closed draft gate makes the scheduler schedule plain decode steps.
+    "sps-plain": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_plain_steps": True,
+    },
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
     # DFlash (no confidence head): fixed depth, and the acceptance-length controller.
     "dflash": {"method": "dflash"},

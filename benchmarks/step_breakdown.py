@@ -159,6 +159,9 @@ ARMS = {
     "sps-k1": (1, "sps", {}),
     "sps-k3": (3, "sps", {}),
     "sps-k7": (7, "sps", {}),
+    # sps whose closed draft gate schedules plain decode steps (dspark_plain_steps).
+    "plain-k3": (3, "sps", {"dspark_plain_steps": True}),
+    "plain-k7": (7, "sps", {"dspark_plain_steps": True}),
 }
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).

@@ -6,4 +6,5 @@ EVERY_CAPACITY_OPTION = {
     "dspark_dynamic_depth": True,
     "dspark_online_sts": True,
     "dspark_confidence_metrics": True,
+    "dspark_plain_steps": True,
 }

@@ -129,6 +129,11 @@ class DSparkOptions(BaseModel):
     """Verify only the admitted drafts, packed without padding (compact variable-length
     verification)."""
 
+    plain_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """``capacity=sps``: while the draft gate is closed, the scheduler schedules plain
+    decode steps (no drafts: nothing verified, no rejection sampling) instead of
+    speculative steps that verify nothing."""
+
     confidence_metrics: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Measure the confidence head's calibration (per-position ECE and AUROC) while
     serving, without changing what is verified."""
@@ -197,6 +202,7 @@ class DSparkOptions(BaseModel):
             "online_sts": CONFIDENCE_MODES,
             "dynamic_depth": CONFIDENCE_MODES,
             "varlen_verify": (*CONFIDENCE_MODES, "acceptance"),
+            "plain_steps": ("sps",),
         }
         for name, modes in needs.items():
             if name in self.model_fields_set and self.capacity not in modes:
@@ -372,6 +378,12 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             f"vllm-dspark: {KEY_PREFIX}{name}={getattr(options, name)!r} needs method "
             f"'dspark' (a drafter with a confidence/Markov head); got method={method!r}. "
             f"Valid with {method}: {KEY_PREFIX}capacity=off or acceptance."
+        )
+    if options.plain_steps and speculative_config.num_speculative_tokens_per_batch_size:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}plain_steps=True decides the drafts each step "
+            "schedules, which vLLM's Dynamic SD table num_speculative_tokens_per_batch_size "
+            "also does; set one of the two."
         )
     if options.synthetic_confidence is not None:
         if getattr(speculative_config, "rejection_sample_method", None) == "synthetic":

@@ -28,8 +28,8 @@
 #            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
 #            fourth, graphs up to that many tokens per step (--graphs-to)
-#   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7 (or the
-#            arms given as third argument), graphs to 2048 tokens (~5 min)
+#   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7, plain-k7
+#            (or the arms given as third argument), graphs to 2048 tokens (~7 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
 #            speculation, then setup (b)'s capacity sweep at TP 2 with every rank's
 #            admissions compared (vLLM; run on kind nvidia-h200-x2 or -x4, from the queue)
@@ -115,7 +115,7 @@ case "$stage" in
   capacity-qwen3)
     vllm_env
     timeout 1300 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain --shared-engine \
       --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tee "$OUT/$stage.log" \
       | tail -30
     ;;
@@ -143,17 +143,18 @@ case "$stage" in
     ;;
   breakdown-embedded)
     vllm_env; use_recalibrated
-    # Setup (a)'s step: no speculation, fixed k=7 and sps (whose closed draft gate's steps
-    # show what skipping still costs), graphs to 2048 tokens as capacity-embedded.
+    # Setup (a)'s step: no speculation, fixed k=7, sps (whose closed draft gate's steps
+    # show what skipping still costs) and sps with plain steps, graphs to 2048 tokens as
+    # capacity-embedded.
     timeout 900 python3 benchmarks/step_breakdown.py --pair embedded --graphs-to 2048 \
-      --arms "${3:-nospec,dspark-k7,sps-k7}" --host-profile 40 --out "$OUT/step_breakdown_embedded.json" \
+      --arms "${3:-nospec,dspark-k7,sps-k7,plain-k7}" --host-profile 40 --out "$OUT/step_breakdown_embedded.json" \
       2>&1 | quiet | tee "$OUT/$stage.log" | tail -20
     ;;
   tp)
     vllm_env; use_recalibrated
     timeout 900 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain --shared-engine \
       --tensor-parallel-size 2 --concurrency 1,16,64,256 --out "$OUT/capacity_tp2.json" \
       2>&1 | quiet | tail -30
     ;;
@@ -214,7 +215,7 @@ case "$stage" in
     # 512 leaves speculative steps past 64 requests (and their drafter) eager. The first
     # engine (no speculation) took 2 min at 2e9fa62: 1,200 s for the four.
     timeout 1200 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
-      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth --shared-engine \
+      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain --shared-engine \
       --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tee "$OUT/$stage.log" \
       | tail -30
     ;;

@@ -62,6 +62,7 @@ SWITCHABLE = frozenset(
         "step_overhead_ms",
         "dynamic_depth",
         "varlen_verify",
+        "plain_steps",
     }
 )
 
@@ -126,6 +127,11 @@ class CapacityControl:
         self.draft_gate = None
         self.drafted_last = True
         self.proposals_skipped = 0
+        # plain_steps: the drafts the scheduler gave the next step (the compaction wrapper
+        # sets it; None: not known), and the gate's verdict for the scheduler. K at first,
+        # so that an engine switched away from plain steps schedules drafts again.
+        self.next_step_drafts = None
+        self.gate_report = num_drafts
         if auto_sps and self.profiled_draft_ms is not None:
             self.set_draft_cost(self.profiled_draft_ms)
         # acceptance: a depth from verified steps' acceptance per position (their counts
@@ -211,13 +217,23 @@ class CapacityControl:
         self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
 
     def plan_proposal(self, num_reqs: int, depth: int) -> bool:
-        """Whether the coming proposal drafts (always, unless the draft gate closes)."""
+        """Whether the coming proposal drafts: unless the draft gate closes, or (plain
+        steps) the step it proposes for was scheduled without drafts."""
+        gate_open = self._gate_open(num_reqs, depth)
+        drafting = gate_open
+        if self.options.plain_steps:
+            self.gate_report = self.num_speculative_steps if gate_open else 0
+            drafting = gate_open and self.next_step_drafts != 0
+        self.proposals_skipped += not drafting
+        return drafting
+
+    def _gate_open(self, num_reqs: int, depth: int) -> bool:
         if self.draft_gate is None:
             return True
         overhead = self.step_overhead
         if not overhead.ready:
             return True  # not weighed before the step's costs are known
-        drafting = self.draft_gate.decide(
+        return self.draft_gate.decide(
             num_reqs,
             self.stale_survival.per_request(),
             depth,
@@ -225,8 +241,12 @@ class CapacityControl:
             overhead.per_draft_seconds,
             overhead.skip_seconds,
         )
-        self.proposals_skipped += not drafting
-        return drafting
+
+    def take_gate_report(self) -> int | None:
+        """plain_steps: the drafts the coming steps should schedule (K, or 0 while the
+        gate is closed) for the scheduler (:mod:`plain_steps`), once."""
+        report, self.gate_report = self.gate_report, None
+        return report
 
     def set_sps_curve(self, curve: list, device: torch.device, profiled: bool = False) -> None:
         if profiled:

@@ -13,21 +13,29 @@ names: ``vllm:spec_decode_num_draft_tokens`` (and its per-position counts) count
 drafts the target verified; drafts proposed = K x ``vllm:spec_decode_num_drafts``; mean
 admitted per request = num_draft_tokens / num_drafts; accepted per position unchanged.
 Outputs of uncompacted steps carry nothing, and both wrappers then pass through.
-Why: vLLM 0.26.0 counts every scheduled draft as verified.
+The same channel carries the draft gate's verdict for ``dspark_plain_steps`` (the drafts
+the coming steps should schedule), which the scheduler applies
+(:mod:`vllm_dspark.capacity.plain_steps`).
+Why: vLLM 0.26.0 counts every scheduled draft as verified, and has no way for a worker to
+tell the scheduler how many drafts to schedule.
 Upstream: none; vllm-project/vllm#47808 (adaptive verification) reports verified drafts.
-Remove when: the pinned vLLM verifies a device-chosen subset of drafts and counts it.
+Remove when: the pinned vLLM verifies a device-chosen subset of drafts and counts it, and
+lets the speculator choose the next step's draft count.
 """
 
 from __future__ import annotations
 
 import sys
 
+from vllm_dspark.capacity import plain_steps
 from vllm_dspark.patches.wrapping import wrap
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
-# The attribute a step's ModelRunnerOutput carries: {request id: drafts not verified}.
+# The attributes a step's ModelRunnerOutput carries: {request id: drafts not verified},
+# and the drafts the gate wants scheduled (K or 0).
 NOT_ADMITTED_ATTR = "dspark_not_admitted"
+GATE_ATTR = "dspark_gate_drafts"
 
 
 def attach_not_admitted(output, pending, num_drafts: int):
@@ -45,15 +53,22 @@ def attach_not_admitted(output, pending, num_drafts: int):
 def _make_sample_tokens_wrapper(sample_tokens):
     def sample_tokens_with_admission(self, *args, **kwargs):
         output = sample_tokens(self, *args, **kwargs)
-        take = getattr(self.speculator, "take_admission", None)
-        pending = take() if take is not None else None
-        if pending is None or not hasattr(output, "get_output"):
+        speculator = self.speculator
+        if not hasattr(speculator, "take_admission"):
+            return output
+        pending, gate = speculator.take_admission(), speculator.take_gate_report()
+        if (pending is None and gate is None) or not hasattr(output, "get_output"):
             return output
         get_output = output.get_output
-        num_drafts = self.speculator.num_speculative_steps
+        num_drafts = speculator.num_speculative_steps
 
         def get_output_with_admission():
-            return attach_not_admitted(get_output(), pending, num_drafts)
+            result = get_output()
+            if gate is not None:
+                setattr(result, GATE_ATTR, gate)
+            if pending is None:
+                return result
+            return attach_not_admitted(result, pending, num_drafts)
 
         output.get_output = get_output_with_admission
         return output
@@ -69,6 +84,9 @@ def _make_update_wrapper(update_from_output):
             for req_id, count in not_admitted.items():
                 merged[req_id] = merged.get(req_id, 0) + count
             scheduler_output.num_invalid_spec_tokens = merged
+        gate = getattr(model_runner_output, GATE_ATTR, None)
+        if gate is not None:
+            plain_steps.schedule_next(self, gate)
         return update_from_output(self, scheduler_output, model_runner_output)
 
     return update_from_output_with_admission

@@ -100,6 +100,8 @@ def _make_execute_wrapper(execute_model):
     def execute_model_with_compaction(self, scheduler_output, *args, **kwargs):
         if not getattr(self.speculator, "controls_capacity", False) or kwargs.get("dummy_run"):
             return execute_model(self, scheduler_output, *args, **kwargs)
+        # Whether the step after this one verifies drafts (capacity/plain_steps.py).
+        self.speculator.next_step_drafts = scheduler_output.num_spec_tokens_to_schedule
         token = _step_budget_var.set(_step_budget(self, scheduler_output))
         try:
             return execute_model(self, scheduler_output, *args, **kwargs)

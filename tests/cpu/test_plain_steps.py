@@ -1,0 +1,205 @@
+"""dspark_plain_steps: while the sps draft gate is closed, vLLM's scheduler schedules
+plain decode steps (no drafts), and reopens speculation when the gate does."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+K = 3
+
+
+@pytest.fixture
+def async_scheduler(engine_config, model_dirs):
+    """vLLM's own AsyncScheduler over a small KV cache, for a DSpark config with K drafts."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = engine_config(
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K},
+        max_model_len=256,
+    )
+    block_size = config.cache_config.block_size
+    config.cache_config.num_gpu_blocks = 64  # what the engine sets after profiling
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
+    kv_cache = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    return AsyncScheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+    )
+
+
+def add_requests(scheduler, count: int) -> list[str]:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    ids = [f"r{i}" for i in range(count)]
+    for req_id in ids:
+        params = SamplingParams(max_tokens=64, temperature=0.0)
+        scheduler.add_request(Request(req_id, [5, 6, 7, 8], params, None))
+    return ids
+
+
+def step_output(scheduled, gate: int | None):
+    """What a worker returns for a scheduled step: one sampled token per request (no draft
+    accepted), and the gate's verdict when it reports one."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from vllm_dspark.patches.admission_metrics import GATE_ATTR
+
+    req_ids = list(scheduled.num_scheduled_tokens)
+    output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[[9] for _ in req_ids],
+    )
+    if gate is not None:
+        setattr(output, GATE_ATTR, gate)
+    return output
+
+
+def test_a_closed_gate_makes_the_scheduler_schedule_plain_steps_until_it_reopens(
+    async_scheduler,
+):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_dspark.patches import admission_metrics
+
+    update = admission_metrics._make_update_wrapper(Scheduler.update_from_output)
+    scheduler = async_scheduler
+    ids = add_requests(scheduler, 4)
+    drafts_per_step, gates = [], [None, K, 0, 0, 0, K, K, K]
+    for gate in gates:
+        scheduled = scheduler.schedule()
+        drafts_per_step.append(
+            (
+                scheduled.num_spec_tokens_to_schedule,
+                sorted(len(scheduled.scheduled_spec_decode_tokens.get(r, ())) for r in ids),
+            )
+        )
+        update(scheduler, scheduled, step_output(scheduled, gate))
+    # (drafts the step after it gets, drafts each request verifies in it): a prefill, two
+    # speculative steps; the 0 reported with step 2 closes the gate from step 3 on, whose
+    # own drafts were placed at step 2; plain steps until the K of step 5 reopens it.
+    assert drafts_per_step == [
+        (K, [0] * 4),
+        (K, [K] * 4),
+        (K, [K] * 4),
+        (0, [K] * 4),
+        (0, [0] * 4),
+        (0, [0] * 4),
+        (K, [0] * 4),
+        (K, [K] * 4),
+    ]
+
+
+def gate_speculator(engine_config, model_dirs, **options):
+    """An sps speculator whose draft gate closes at 16 requests (drafting costs 12 ms,
+    survivals of 0.05), as in test_draft_gate.py."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.config import DSparkOptions
+    from vllm_dspark.speculator import DSparkPluginSpeculator
+
+    config = engine_config(
+        {
+            "method": "dspark",
+            "model": model_dirs["dspark"],
+            "num_speculative_tokens": K,
+            "dspark_capacity": "sps",
+            "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
+            "dspark_varlen_verify": True,
+            "dspark_step_overhead_ms": 0.0,
+            **options,
+        }
+    )
+    with set_current_vllm_config(config):
+        speculator = DSparkPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})
+    for _ in range(2):
+        speculator.record_proposal(torch.full((16, K), 0.05))
+    return speculator
+
+
+def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(
+    engine_config, model_dirs
+):
+    import importlib
+
+    from vllm_dspark.patches import compact_verification
+
+    speculator = gate_speculator(engine_config, model_dirs, dspark_plain_steps=True)
+    assert speculator.take_gate_report() == K  # at start-up: schedule drafts (stock)
+    assert speculator.take_gate_report() is None  # once
+    speculator.next_step_drafts = K
+    assert not speculator.plan_proposal(16, K)  # the gate closes at 16 requests
+    assert speculator.take_gate_report() == 0
+    # The scheduler has closed too: the gate reopens at one request, but the step this
+    # proposal is for was scheduled without drafts, so nothing is drafted for it.
+    speculator.next_step_drafts = 0
+    assert not speculator.plan_proposal(1, K)
+    assert speculator.take_gate_report() == K
+    speculator.next_step_drafts = K
+    assert speculator.plan_proposal(1, K)
+    assert speculator.proposals_skipped == 2
+    # Switched to sps without plain steps: the scheduler is told to schedule drafts again.
+    importlib.import_module(compact_verification.RUNNER_MODULE)
+    compact_verification.apply()  # as building a capacity speculator does in a worker
+    curve = [[1, 100.0], [16, 99.0], [128, 20.0]]
+    speculator.switch_capacity({"capacity": "sps", "varlen_verify": True, "sps_curve": curve})
+    assert speculator.take_gate_report() == K
+    speculator.next_step_drafts = 0  # ignored without plain steps
+    assert speculator.plan_proposal(1, K)
+    assert speculator.take_gate_report() is None
+
+
+def test_plain_steps_need_sps_and_no_dynamic_sd_table(engine_config, model_dirs):
+    from vllm_dspark.config import DSparkOptionError
+
+    base = {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K}
+    with pytest.raises(DSparkOptionError, match="dspark_plain_steps only applies with"):
+        engine_config(
+            {
+                **base,
+                "dspark_capacity": "budget",
+                "dspark_varlen_verify": True,
+                "dspark_plain_steps": True,
+            }
+        )
+    with pytest.raises(DSparkOptionError, match="num_speculative_tokens_per_batch_size"):
+        engine_config(
+            {
+                **base,
+                "dspark_capacity": "sps",
+                "dspark_varlen_verify": True,
+                "dspark_plain_steps": True,
+                "num_speculative_tokens_per_batch_size": [[1, 256, K]],
+            }
+        )
+
+
+def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(engine_config, model_dirs):
+    from vllm_dspark.patches.compact_verification import _make_execute_wrapper
+
+    speculator = gate_speculator(engine_config, model_dirs, dspark_plain_steps=True)
+    seen = []
+    execute = _make_execute_wrapper(
+        lambda runner, *a, **kw: seen.append(speculator.next_step_drafts)
+    )
+    runner = SimpleNamespace(speculator=speculator)
+    scheduled = SimpleNamespace(num_spec_tokens_to_schedule=0, num_scheduled_tokens={})
+    execute(runner, scheduled)
+    scheduled.num_spec_tokens_to_schedule = K
+    execute(runner, scheduled, dummy_run=True)  # vLLM's warm-up steps leave it alone
+    assert seen == [0, 0]
+    execute(runner, scheduled)
+    assert seen[-1] == K
