@@ -263,6 +263,8 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
     """Start-up options that prepare every capacity arm (compaction, depth graphs, the
     SPS profile) and, per arm, the options switched to (``dspark_`` prefix dropped)."""
     start = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True}
+    if any(ARMS[arm].get("dspark_plain_steps") for arm in arms):
+        start["dspark_plain_steps"] = True  # its one-token decode graphs are captured at start
     if sps_curve:
         start["dspark_sps_curve"] = sps_curve
     switch = []

@@ -9,15 +9,24 @@ import torch
 K = 3
 
 
-@pytest.fixture
-def async_scheduler(engine_config, model_dirs):
-    """vLLM's own AsyncScheduler over a small KV cache, for a DSpark config with K drafts."""
+PLAIN_STEPS = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_plain_steps": True}
+
+
+@pytest.fixture(params=[{}, PLAIN_STEPS], ids=["stock-config", "plain-steps-config"])
+def async_scheduler(request, engine_config, model_dirs):
+    """vLLM's own AsyncScheduler over a small KV cache, for a DSpark config with K drafts:
+    stock, or with plain steps (whose Dynamic SD table schedules K at every batch size)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = engine_config(
-        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K},
+        {
+            "method": "dspark",
+            "model": model_dirs["dspark"],
+            "num_speculative_tokens": K,
+            **request.param,
+        },
         max_model_len=256,
     )
     block_size = config.cache_config.block_size
@@ -203,3 +212,27 @@ def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(engine_
     assert seen == [0, 0]
     execute(runner, scheduled)
     assert seen[-1] == K
+
+
+def test_the_plain_steps_table_schedules_k_at_every_batch_size_and_captures_one_token_graphs(
+    engine_config, model_dirs
+):
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    config = engine_config(
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K}
+        | PLAIN_STEPS
+    )
+    table = config.speculative_config.num_speculative_tokens_per_batch_size
+    max_seqs = config.scheduler_config.max_num_seqs
+    assert build_dynamic_sd_schedule_lookup(table, max_seqs, K)[1:] == [K] * max_seqs
+    # vLLM's CUDA-graph manager captures decode graphs for each count in the table.
+    assert sorted({drafts for *_, drafts in table}) == [0, K]
+
+
+def test_plain_steps_refuse_data_parallelism(engine_config, model_dirs):
+    from vllm_dspark.config import DSparkOptionError
+
+    spec = {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K}
+    with pytest.raises(DSparkOptionError, match="data_parallel_size=2"):
+        engine_config(spec | PLAIN_STEPS, data_parallel_size=2)

@@ -12,10 +12,15 @@ already chooses how many drafts the next step verifies, through Dynamic SD's loo
 (batch size -> drafts; ``SchedulerOutput.num_spec_tokens_to_schedule``, which the async
 scheduler turns into the next step's draft placeholders). The worker's gate reports its
 verdict on each step's output (K: draft, 0: don't); on a 0 the scheduler takes
-:data:`CLOSED` as its lookup, on a K it goes back to no lookup (stock scheduling). The
-worker in turn drafts only when the step it proposes for verifies drafts. The verdict
-reaches the scheduler a step or two late, which is harmless: what a step verifies never
-depends on the drafts being verified, so the output stays exactly the target's.
+:data:`CLOSED` as its lookup, on a K it goes back to the one it had. The worker in turn
+drafts only when the step it proposes for verifies drafts. The verdict reaches the
+scheduler a step or two late, which is harmless: what a step verifies never depends on
+the drafts being verified, so the output stays exactly the target's.
+
+The Dynamic SD table :func:`dynamic_sd_table` gives the engine K drafts at every real
+batch size, plus a 0 past any of them: vLLM then also captures FULL decode CUDA graphs
+of one token per request, which the plain steps replay. Data parallelism is refused, as
+vLLM refuses Dynamic SD there (ranks choosing different counts deadlock).
 """
 
 from __future__ import annotations
@@ -23,6 +28,16 @@ from __future__ import annotations
 from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")
+
+
+# Past any real batch size (vLLM's lookup stops at max_num_seqs).
+BEYOND_ANY_BATCH = 1 << 20
+
+
+def dynamic_sd_table(num_drafts: int) -> list[tuple[int, int, int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` for plain steps: K at every batch
+    size, and 0 (so that one-token decode graphs are captured) where no batch reaches."""
+    return [(1, BEYOND_ANY_BATCH, num_drafts), (BEYOND_ANY_BATCH + 1, BEYOND_ANY_BATCH + 1, 0)]
 
 
 class ClosedGateLookup:
@@ -49,7 +64,8 @@ def schedule_next(scheduler, num_drafts: int) -> None:
                 "speculative while the draft gate is closed."
             )
         return
-    if num_drafts == 0 and scheduler.dynamic_sd_lookup is None:
+    if num_drafts == 0 and scheduler.dynamic_sd_lookup is not CLOSED:
+        scheduler.dspark_open_lookup = scheduler.dynamic_sd_lookup
         scheduler.dynamic_sd_lookup = CLOSED
     elif num_drafts > 0 and scheduler.dynamic_sd_lookup is CLOSED:
-        scheduler.dynamic_sd_lookup = None
+        scheduler.dynamic_sd_lookup = scheduler.dspark_open_lookup

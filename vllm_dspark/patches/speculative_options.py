@@ -6,7 +6,8 @@ speculative-config dict are set aside, merged with the ``VLLM_DSPARK_*`` environ
 vLLM then builds from the remaining keys, and stored in
 ``EngineArgs.additional_config["dspark"]``, from which ``VllmConfig`` carries them to
 every engine-core and worker process. With no option set it calls the stock method
-and stores nothing, so the config (and its hash) stays stock.
+and stores nothing, so the config (and its hash) stays stock. ``dspark_plain_steps`` also
+sets the Dynamic SD table of :func:`vllm_dspark.capacity.plain_steps.dynamic_sd_table`.
 Why: ``SpeculativeConfig`` is a pydantic dataclass with ``extra="forbid"``, so an
 unknown key fails, and vLLM has no way for a plugin to declare speculative options.
 Upstream: no plugin-extensible speculative config in vLLM 0.26.0 (a speculator
@@ -21,6 +22,7 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 
+from vllm_dspark.capacity import plain_steps
 from vllm_dspark.config import (
     ADDITIONAL_CONFIG_KEY,
     KEY_PREFIX,
@@ -60,6 +62,18 @@ def _make_wrapper(create_speculative_config):
                 self.speculative_config = {**(self.speculative_config or {}), **our_keys}
         check_against_speculative_config(options, speculative_config)
         check_implemented(options)
+        if options.plain_steps:
+            if self.data_parallel_size > 1:
+                raise DSparkOptionError(
+                    f"vllm-dspark: {KEY_PREFIX}plain_steps=True with data_parallel_size="
+                    f"{self.data_parallel_size}: data-parallel ranks would schedule different "
+                    "draft counts (vLLM refuses Dynamic SD there too). Valid: "
+                    "data_parallel_size=1."
+                )
+            # The table that captures one-token decode graphs for the plain steps.
+            speculative_config.num_speculative_tokens_per_batch_size = plain_steps.dynamic_sd_table(
+                speculative_config.num_speculative_tokens
+            )
         if options.active:
             if not isinstance(self.additional_config, dict):
                 raise DSparkOptionError(
