@@ -18,6 +18,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManag
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
+from vllm_dspark.capacity import plain_steps
 from vllm_dspark.capacity.allocation import (
     UNCOMPUTED_SURVIVAL,
     prefix_survival,
@@ -90,6 +91,10 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         self._skip_draft = False  # the draft gate closed for the proposal being made
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        with plain_steps.without_dynamic_sd_table(self.vllm_config):
+            self._init_draft_graph_managers(cudagraph_mode)
+
+    def _init_draft_graph_managers(self, cudagraph_mode) -> None:
         super().init_cudagraph_manager(cudagraph_mode)
         if self.physical_depth is None:
             return

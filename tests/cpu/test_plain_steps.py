@@ -236,3 +236,58 @@ def test_plain_steps_refuse_data_parallelism(engine_config, model_dirs):
     spec = {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K}
     with pytest.raises(DSparkOptionError, match="data_parallel_size=2"):
         engine_config(spec | PLAIN_STEPS, data_parallel_size=2)
+
+
+def drafter_graph_candidates(config, num_query_per_req: int):
+    """vLLM's own graph listing of a drafter's CUDA-graph manager (DSpark's anchor-first
+    layout: K queries per request), without a GPU to build the manager on."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+    manager = object.__new__(DFlashCudaGraphManager)
+    manager.vllm_config = config
+    manager.compilation_config = config.compilation_config
+    manager.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16]
+    manager.compilation_config.max_cudagraph_capture_size = 16
+    manager.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    manager.max_num_reqs = 8
+    manager.decode_query_len = num_query_per_req
+    manager.lora_capture_cases = [0]
+    manager.use_breakable_cg = False
+    manager._candidates, manager._capture_descs = {}, {}
+    manager._init_candidates()
+    return manager._capture_descs
+
+
+def test_the_drafter_lists_its_graphs_without_the_plain_steps_table(engine_config, model_dirs):
+    from vllm_dspark.capacity.plain_steps import without_dynamic_sd_table
+
+    config = engine_config(
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K}
+        | PLAIN_STEPS
+    )
+    # With the table, vLLM derives a query length of 0 for the drafter and fails.
+    with pytest.raises(ZeroDivisionError):
+        drafter_graph_candidates(config, num_query_per_req=K)
+    with without_dynamic_sd_table(config):
+        descs = drafter_graph_candidates(config, num_query_per_req=K)
+    assert {desc.uniform_token_count for group in descs.values() for desc in group} == {K}
+    assert config.speculative_config.num_speculative_tokens_per_batch_size  # put back
+
+
+def test_the_speculator_builds_its_draft_graph_managers_without_the_table(
+    engine_config, model_dirs, monkeypatch
+):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    speculator = gate_speculator(engine_config, model_dirs, dspark_plain_steps=True)
+    seen = []
+
+    def record(self, cudagraph_mode):
+        seen.append(self.vllm_config.speculative_config.num_speculative_tokens_per_batch_size)
+
+    monkeypatch.setattr(DSparkSpeculator, "init_cudagraph_manager", record)
+    speculator.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert seen == [None]
+    assert speculator.vllm_config.speculative_config.num_speculative_tokens_per_batch_size

@@ -20,10 +20,17 @@ the drafts being verified, so the output stays exactly the target's.
 The Dynamic SD table :func:`dynamic_sd_table` gives the engine K drafts at every real
 batch size, plus a 0 past any of them: vLLM then also captures FULL decode CUDA graphs
 of one token per request, which the plain steps replay. Data parallelism is refused, as
-vLLM refuses Dynamic SD there (ranks choosing different counts deadlock).
+vLLM refuses Dynamic SD there (ranks choosing different counts deadlock). The drafter's
+graph managers are built without the table (:func:`without_dynamic_sd_table`): vLLM would
+give them a graph per count in it too, though the drafter always runs its one query
+length, and the 0 makes that length 0 for DSpark's anchor-first layout (K queries per
+request), whose graph rounding then divides by zero at start-up.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from vllm.logger import init_logger
 
@@ -69,3 +76,15 @@ def schedule_next(scheduler, num_drafts: int) -> None:
         scheduler.dynamic_sd_lookup = CLOSED
     elif num_drafts > 0 and scheduler.dynamic_sd_lookup is CLOSED:
         scheduler.dynamic_sd_lookup = scheduler.dspark_open_lookup
+
+
+@contextmanager
+def without_dynamic_sd_table(vllm_config) -> Iterator[None]:
+    """While the drafter's CUDA-graph managers list their graphs: no Dynamic SD table."""
+    speculative_config = vllm_config.speculative_config
+    table = speculative_config.num_speculative_tokens_per_batch_size
+    speculative_config.num_speculative_tokens_per_batch_size = None
+    try:
+        yield
+    finally:
+        speculative_config.num_speculative_tokens_per_batch_size = table
