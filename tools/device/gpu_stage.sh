@@ -19,8 +19,9 @@
 #   capacity-qwen3
 #            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence,
 #            one run: no speculation, fixed k=7, Dynamic SD (three engines), then budget,
-#            threshold, sps (curve profiled at start-up), sps with dynamic depth (one shared
-#            engine); ~12 min, longer than one call: run it from tools/device/queue.sh
+#            threshold, sps (curve profiled at start-up), sps with dynamic depth, sps with
+#            plain steps (one shared engine); ~12 min, longer than one call: run it from
+#            tools/device/queue.sh
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
 #            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
