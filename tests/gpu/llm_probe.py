@@ -9,17 +9,29 @@ capacity options] measured one after another in this engine,
 memory the engine does not hold with NaN, then hand it back to the allocator),
 "check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
 :func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs", "cudagraph_mode"
-(vLLM's compilation option), "margins" (also return, per prompt and output position, the
-top-two logprob gap: :func:`top_two_gap`)}. Prints one JSON line: the token ids per prompt,
-the spec-decode counts, the plugin's admission counts (compacted steps), the run's tokens
-per second, whether vllm-dspark's patches were applied, and with "check_draft_slots" the
-check's counts ("draft_slots")."""
+and "compile" (:func:`compilation_config`), "margins" (also return, per prompt and output
+position, the top-two logprob gap: :func:`top_two_gap`)}. Prints one JSON line: the token
+ids per prompt, the spec-decode counts, the plugin's admission counts (compacted steps),
+the run's tokens per second, whether vllm-dspark's patches were applied, and with
+"check_draft_slots" the check's counts ("draft_slots")."""
 
 import json
 import os
 import sys
 import time
 from dataclasses import asdict
+
+
+def compilation_config(spec: dict) -> dict | None:
+    """vLLM's compilation option for the probe: ``cudagraph_mode`` when given; with
+    ``"compile": false`` no torch.compile (mode 0), FULL decode graphs captured from the
+    eager model (``FULL_DECODE_ONLY`` unless ``cudagraph_mode`` says otherwise)."""
+    config = {}
+    if spec.get("compile") is False:
+        config = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    if spec.get("cudagraph_mode"):
+        config["cudagraph_mode"] = spec["cudagraph_mode"]
+    return config or None
 
 
 def top_two_gap(position: dict) -> float:
@@ -219,9 +231,7 @@ def main(spec: dict) -> None:
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         kv_cache_memory_bytes=fixed_kv_cache_bytes(),
         enable_prefix_caching=spec.get("enable_prefix_caching"),
-        compilation_config=(
-            {"cudagraph_mode": spec["cudagraph_mode"]} if spec.get("cudagraph_mode") else None
-        ),
+        compilation_config=compilation_config(spec),
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative,

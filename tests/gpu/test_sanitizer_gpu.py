@@ -2,9 +2,10 @@
 every capacity option (hardening case 2: no kernel reads or writes memory it does not own).
 
 The run is small (4 prompts, 24 tokens, max_num_seqs 4, so few CUDA graphs are captured,
-and 256 tokens per step at most, so vLLM's start-up dummy forward is small too),
-in float32, and the sanitizer follows every process (the engine core's too), so it sees
-every kernel: vLLM's, the compact verification graphs' and the plugin's Triton kernels. The
+and 256 tokens per step at most, so vLLM's start-up dummy forward is small too), without
+torch.compile (FULL decode graphs of the eager model), in float32, and the sanitizer
+follows every process (the engine core's too), so it sees every kernel: vLLM's, the
+compact verification graphs' and the plugin's Triton kernels. The
 caching allocator stays on (CUDA graphs need it), so memcheck sees accesses outside live
 allocations, not reuse inside the allocator's pool: that is what the freed-memory test
 (tests/gpu/test_freed_memory_gpu.py) covers. Skipped where the machine has no
@@ -80,6 +81,10 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
         max_num_seqs=4,
         # vLLM's start-up dummy forward runs this many tokens, every kernel instrumented.
         max_num_batched_tokens=256,
+        # No torch.compile: memcheck would instrument every kernel Inductor's autotuning
+        # launches. The FULL decode graphs (vLLM's, the compact verification graphs, the
+        # drafter's) are captured from the eager model and replayed all the same.
+        compile=False,
     )
     # Within the sanitizer stage's 1,200 s (tools/device/gpu_stage.sh).
     result = run_probe(LLM_PROBE, stdin=spec, prefix=prefix, timeout=1100)
@@ -90,7 +95,8 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_sanitizer_gpu.py",
         {
             "setup": "embedded pair, 4 prompts, 24 tokens, max_num_seqs 4, float32, k=7, "
-            "compute-sanitizer memcheck over every process",
+            "no torch.compile (FULL_DECODE_ONLY graphs), compute-sanitizer memcheck over "
+            "every process",
             "options": EVERY_CAPACITY_OPTION,
             "available": True,
             "sanitizer": sanitizer,
