@@ -6,6 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_dspark.capacity.draft_gate import PROBE_EVERY
+
 K = 3
 
 
@@ -160,6 +162,16 @@ def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(
     speculator.next_step_drafts = K
     assert speculator.plan_proposal(1, K)
     assert speculator.proposals_skipped == 2
+    # A probe of the closed gate: its open verdict holds (though the gate itself closes
+    # again) until the scheduler gives a step drafts, so that the probe does draft.
+    speculator.next_step_drafts = 0
+    verdicts = [speculator.plan_proposal(16, K) for _ in range(PROBE_EVERY + 2)]
+    assert not any(verdicts)  # the scheduler gave no step drafts
+    assert speculator.take_gate_report() == K  # the probe's open verdict, still pending
+    speculator.next_step_drafts = K
+    assert speculator.plan_proposal(16, K)  # the probe drafts
+    assert not speculator.plan_proposal(16, K)  # and the gate is closed again
+    assert speculator.take_gate_report() == 0
     # Switched to sps without plain steps: the scheduler is told to schedule drafts again.
     importlib.import_module(compact_verification.RUNNER_MODULE)
     compact_verification.apply()  # as building a capacity speculator does in a worker

@@ -132,6 +132,7 @@ class CapacityControl:
         # so that an engine switched away from plain steps schedules drafts again.
         self.next_step_drafts = None
         self.gate_report = num_drafts
+        self.open_verdict_pending = False
         if auto_sps and self.profiled_draft_ms is not None:
             self.set_draft_cost(self.profiled_draft_ms)
         # acceptance: a depth from verified steps' acceptance per position (their counts
@@ -222,8 +223,12 @@ class CapacityControl:
         gate_open = self._gate_open(num_reqs, depth)
         drafting = gate_open
         if self.options.plain_steps:
+            # An open verdict (a probe of the closed gate's too) holds until a step the
+            # scheduler gave drafts takes it: the scheduler acts a step or two late.
+            gate_open = gate_open or self.open_verdict_pending
             self.gate_report = self.num_speculative_steps if gate_open else 0
             drafting = gate_open and self.next_step_drafts != 0
+            self.open_verdict_pending = gate_open and not drafting
         self.proposals_skipped += not drafting
         return drafting
 
