@@ -242,6 +242,26 @@ def simulated_sps(engine_config, model_dirs, curve, draft_s):
     return speculator, clock
 
 
+def run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period):
+    """``num_steps`` steps of the real control path: each step verifies what sps admits,
+    lasts ``period(budget, drafted)`` seconds (``drafted``: whether the proposal it
+    verifies drafted) and is followed by the gate's proposal decision. Returns each
+    step's admission and each decision."""
+    budgets, decisions, drafted = [], [], True  # the proposal before the first step drafted
+    for _ in range(num_steps):
+        budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
+        speculator.step_tokens = num_reqs + budget
+        clock.now += period(budget, drafted)
+        speculator.observe_step(num_reqs)
+        drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
+        speculator.drafted_last = drafted
+        if drafted:
+            speculator.record_proposal(survival)
+        budgets.append(budget)
+        decisions.append(drafted)
+    return budgets, decisions
+
+
 def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_config, model_dirs):
     """The real control path on a simulated host-bound engine whose step takes, with n
     drafts verified for R requests, F(R + n) (the curve: a small, fast target) + D
@@ -264,21 +284,14 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_co
         ordered = survival.flatten().sort(descending=True).values
         return (num_reqs + float(ordered[:drafts].sum())) / step_seconds(drafts)
 
-    budgets, drafted = [], True  # the proposal before the first step drafted
-    for _ in range(12 * WINDOW):
-        budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
-        speculator.step_tokens = num_reqs + budget
-        # This period: the step's forward and host work, and the last proposal's drafting.
-        clock.now += step_seconds(budget) - (0.0 if drafted else draft_s)
-        speculator.observe_step(num_reqs)
-        drafted = speculator.plan_proposal(num_reqs, K)
-        speculator.drafted_last = drafted
-        if drafted:
-            speculator.record_proposal(survival)
-        budgets.append(budget)
+    def period(budget: int, drafted: bool) -> float:
+        # The step's forward and host work, and the last proposal's drafting.
+        return step_seconds(budget) - (0.0 if drafted else draft_s)
+
+    budgets, decisions = run_closed_loop(speculator, clock, num_reqs, survival, 12 * WINDOW, period)
     # On the curve alone the gate would have judged drafting too dear from the first step;
     # it waits for the first fit instead, and never closed.
-    assert speculator.proposals_skipped == 0 and drafted
+    assert speculator.proposals_skipped == 0 and decisions[-1]
     overhead = speculator.step_overhead
     assert overhead.seconds == pytest.approx(fixed_s, rel=0.05)
     assert overhead.per_draft_seconds == pytest.approx(per_draft_s, rel=0.05)
@@ -308,18 +321,12 @@ def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(engine_conf
     # Rarely surviving drafts: with skipping free, one request gains too little from them.
     survival = torch.cumprod(torch.full((num_reqs, K), 0.05), dim=1)
     table = speculator.sps_table_host
-    drafted, decisions = True, []
-    for _ in range(16 * WINDOW):
-        budget = speculator.admission_budget(num_reqs)
-        speculator.step_tokens = num_reqs + budget
+
+    def period(budget: int, drafted: bool) -> float:
         proposal = draft_s if drafted else skip_s
-        clock.now += 1 / float(table[num_reqs + budget]) + fixed_s + proposal
-        speculator.observe_step(num_reqs)
-        drafted = speculator.plan_proposal(num_reqs, K)
-        speculator.drafted_last = drafted
-        if drafted:
-            speculator.record_proposal(survival)
-        decisions.append(drafted)
+        return 1 / float(table[num_reqs + budget]) + fixed_s + proposal
+
+    _, decisions = run_closed_loop(speculator, clock, num_reqs, survival, 16 * WINDOW, period)
     overhead = speculator.step_overhead
     assert overhead.skip_seconds == pytest.approx(skip_s, rel=0.05)
     assert not all(decisions)  # it did close once, before skipping had been measured
