@@ -95,6 +95,10 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
 STREAMS_PER_CLIENT = 32
 
 
+def client_processes(concurrency: int) -> int:
+    return -(-concurrency // STREAMS_PER_CLIENT)
+
+
 async def drive_streams(base_url: str, model: str, prompts, streams: int, output_len: int):
     """Keep ``streams`` completions in flight until ``prompts`` are done; the results and
     the moment the last one ended (time.monotonic)."""
@@ -127,7 +131,7 @@ def drive(base_url: str, model: str, prompts, concurrency: int, output_len: int)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    procs = -(-concurrency // STREAMS_PER_CLIENT)
+    procs = client_processes(concurrency)
     streams = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     shares = [prompts[i::procs] for i in range(procs)]
     start_at = time.monotonic() + 1.0  # every process forked and waiting by then
@@ -184,7 +188,7 @@ def run_arm(arm: dict, args) -> list[dict]:
                     "requests": len(results),
                     # Near processes x 1e6 / output_tok_s: the clients were busy throughout.
                     "client_cpu_us_per_token": round(1e6 * client_cpu / tokens, 1),
-                    "client_processes": -(-concurrency // STREAMS_PER_CLIENT),
+                    "client_processes": client_processes(concurrency),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
