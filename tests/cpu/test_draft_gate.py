@@ -148,3 +148,17 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
     # The point masses sit in the rows of the requests' slots, where verification reads.
     assert (fake.draft_logits[slots.long()].argmax(-1) == fake.draft_tokens).all()
     assert (fake.draft_logits[[1, 3, 4]] == 0).all()
+
+
+def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():
+    # A host-bound pair's drain (the embedded pair's last requests, 13fb6b1): 8 requests of
+    # low survival; a speculative step spends 2.4 ms outside the curve, a skipped proposal
+    # 0.2 ms more, a plain step only 1.1 ms. Against a skipped speculative step, drafting
+    # pays; against a plain step it does not.
+    gate = DraftGate(sps_table(0.0, 0.5), {K: draft_seconds_table([(1, 0.2), (256, 0.3)], R_MAX)})
+    survival = [0.4, 0.15, 0.05, 0.02, 0.01, 0.0, 0.0]
+    assert gate.decide(8, survival, K, overhead_s=2.4e-3, skip_s=0.2e-3)
+    on, off = gate.gains(8, survival, K, overhead_s=2.4e-3, plain_s=1.1e-3)
+    assert off == pytest.approx(8 / 1.6e-3)  # R / (forward + P)
+    assert on < off
+    assert not gate.decide(8, survival, K, overhead_s=2.4e-3, skip_s=0.2e-3, plain_s=1.1e-3)

@@ -303,3 +303,31 @@ def test_the_speculator_builds_its_draft_graph_managers_without_the_table(
     speculator.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     assert seen == [None]
     assert speculator.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+
+
+def test_the_plain_cost_probe_closes_an_open_gate_per_new_batch_range_and_now_and_then():
+    from vllm_dspark.capacity.plain_steps import PLAIN_BURST, PLAIN_REFRESH, PlainCostProbe
+
+    probe = PlainCostProbe()
+    # 64 requests, never measured: a burst of closed verdicts, then the gate's own.
+    assert [probe.closes(64, True) for _ in range(PLAIN_BURST + 4)] == [True] * PLAIN_BURST + [
+        False
+    ] * 4
+    assert not any(probe.closes(100, True) for _ in range(8))  # the same range (64..127)
+    assert probe.closes(128, True)  # a new range
+    probe.burst_left = 0
+    # A closed gate runs plain steps anyway: its range counts as measured.
+    assert not probe.closes(16, False)
+    assert not probe.closes(16, True)
+    # Measured long ago: measured again.
+    closed = [probe.closes(16, True) for _ in range(PLAIN_REFRESH)]
+    assert closed.index(True) == PLAIN_REFRESH - 2 and sum(closed) == 2
+    # Counts and batch sizes only: two probes fed alike decide alike (tensor parallelism).
+    other = PlainCostProbe()
+    sizes = [
+        int(n) for n in torch.randint(1, 257, (3000,), generator=torch.Generator().manual_seed(0))
+    ]
+    first = PlainCostProbe()
+    assert [first.closes(n, n % 3 > 0) for n in sizes] == [
+        other.closes(n, n % 3 > 0) for n in sizes
+    ]

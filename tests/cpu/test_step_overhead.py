@@ -228,13 +228,13 @@ def test_sps_varies_its_admission_now_and_then(engine_config, model_dirs):
     assert given.step_overhead.seconds == 0.0015
 
 
-def simulated_sps(engine_config, model_dirs, curve, draft_s):
+def simulated_sps(engine_config, model_dirs, curve, draft_s, **options):
     """A speculator in ``sps`` mode on ``curve`` whose proposals cost ``draft_s``, with a
     fake clock the test advances by each simulated step's period."""
     from test_compact_verification import K, build_speculator
 
     speculator = build_speculator(
-        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
+        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve, **options
     )
     speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
     clock = FakeClock()
@@ -331,3 +331,97 @@ def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(engine_conf
     assert overhead.skip_seconds == pytest.approx(skip_s, rel=0.05)
     assert not all(decisions)  # it did close once, before skipping had been measured
     assert all(decisions[-4 * WINDOW :])  # and drafts for good once it has
+
+
+def test_plain_steps_are_fitted_apart_and_published_a_window_late():
+    # Speculative steps: 2 ms + 20 us per request outside the curve; plain decode steps
+    # (one in four): 0.5 ms + 4 us per request. Batch sizes and admissions vary.
+    rng = np.random.default_rng(2)
+    clock = FakeClock()
+    overhead = StepOverhead(CPU, clock=clock)
+    overhead.observe(0, 0.0, 0.0)
+    for window in range(4):
+        for i in range(WINDOW):
+            num_reqs, plain = int(rng.integers(1, 257)), i % 4 == 0
+            rest = 0.5e-3 + 4e-6 * num_reqs if plain else 2e-3 + 20e-6 * num_reqs
+            clock.now += 1e-3 + 0.4e-3 * (not plain) + rest  # forward (+ drafting)
+            drafts = 0 if plain else int(rng.integers(1, 8 * num_reqs))
+            draft_s = 0.0 if plain else 0.4e-3
+            overhead.observe(drafts, 1e-3, draft_s, num_reqs, plain=plain)
+        if window == 0:
+            assert overhead.plain_step_seconds(64) is None  # not before a window's reduction
+    assert overhead.plain_step_seconds(64) == pytest.approx(0.5e-3 + 4e-6 * 64, rel=0.01)
+    assert overhead.per_step_seconds(64) == pytest.approx(2e-3 + 20e-6 * 64, rel=0.01)
+    assert overhead.per_draft_seconds == pytest.approx(0.0, abs=1e-8)
+
+
+def run_plain_closed_loop(speculator, clock, num_reqs, survival, num_steps, period, plain_s):
+    """As :func:`run_closed_loop` with plain steps: the scheduler takes each gate report
+    for the steps it schedules from then on, and the running step was scheduled before the
+    last report arrived (vLLM's async scheduling). A step scheduled without drafts is a
+    plain step of ``plain_s`` seconds. Returns whether each step was plain."""
+    num_drafts = speculator.num_speculative_steps
+    lookup = this_step = next_step = num_drafts
+    plain_steps = []
+    for _ in range(num_steps):
+        speculator.next_step_drafts = next_step
+        if this_step == 0:
+            speculator.step_tokens, speculator.step_plain = num_reqs, True
+            clock.now += plain_s
+        else:
+            budget = speculator.admission_budget(num_reqs)
+            speculator.step_tokens = num_reqs + budget
+            clock.now += period(budget, speculator.drafted_last)
+        speculator.observe_step(num_reqs)
+        drafted = speculator.plan_proposal(num_reqs, num_drafts)
+        speculator.drafted_last = drafted
+        if drafted:
+            speculator.record_proposal(survival)
+        report = speculator.take_gate_report()
+        lookup = lookup if report is None else report
+        plain_steps.append(this_step == 0)
+        this_step, next_step = next_step, lookup
+    return plain_steps
+
+
+@pytest.mark.parametrize(
+    "num_reqs, confidence, mostly_plain",
+    [(8, 0.35, True), (1, 0.9, False)],
+    ids=["drain-of-doubtful-requests", "one-confident-request"],
+)
+def test_plain_steps_run_where_they_are_faster_in_closed_loop(
+    engine_config, model_dirs, num_reqs, confidence, mostly_plain
+):
+    """A host-bound engine (the embedded pair, 13fb6b1): a speculative step spends 2.4 ms
+    outside its forward and a skipped proposal 0.2 ms more, a plain step 1.1 ms. For a few
+    doubtful requests (a drain's last) plain steps are faster: the gate, once its probe has
+    timed them, closes and stays closed. For one confident request drafting is 2x faster:
+    plain steps stay rare (the probe's bursts)."""
+    from test_compact_verification import K
+
+    from vllm_dspark.capacity.plain_steps import PLAIN_BURST
+
+    fixed_s, draft_s, skip_s, plain_rest_s = 2.4e-3, 2.5e-4, 2e-4, 1.1e-3
+    curve = [[1, 2000.0], [64, 2000.0], [256, 1900.0]]
+    speculator, clock = simulated_sps(
+        engine_config, model_dirs, curve, draft_s, dspark_plain_steps=True
+    )
+    survival = torch.cumprod(torch.full((num_reqs, K), confidence), dim=1)
+    table = speculator.sps_table_host
+
+    def period(budget: int, drafted: bool) -> float:
+        proposal = draft_s if drafted else skip_s
+        return 1 / float(table[num_reqs + budget]) + fixed_s + proposal
+
+    plain_s = 1 / float(table[num_reqs]) + plain_rest_s
+    plain = run_plain_closed_loop(
+        speculator, clock, num_reqs, survival, 24 * WINDOW, period, plain_s
+    )
+    overhead = speculator.step_overhead
+    assert overhead.plain_step_seconds(num_reqs) == pytest.approx(plain_rest_s, rel=0.05)
+    late = plain[-8 * WINDOW :]
+    if mostly_plain:
+        assert sum(late) >= 0.9 * len(late)
+    else:
+        assert sum(plain) <= 2 * PLAIN_BURST + 4  # the first burst (and one refresh)
+        assert not any(late[: 4 * WINDOW]) or sum(late) <= PLAIN_BURST + 2

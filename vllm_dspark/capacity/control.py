@@ -33,6 +33,7 @@ from vllm_dspark.capacity.allocation import (
 )
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
+from vllm_dspark.capacity.plain_steps import PlainCostProbe
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.capacity.step_overhead import StepOverhead
@@ -133,6 +134,8 @@ class CapacityControl:
         self.next_step_drafts = None
         self.gate_report = num_drafts
         self.open_verdict_pending = False
+        self.step_plain = False  # the running step is a plain decode step (set beside step_tokens)
+        self.plain_cost_probe = PlainCostProbe() if options.plain_steps else None
         if auto_sps and self.profiled_draft_ms is not None:
             self.set_draft_cost(self.profiled_draft_ms)
         # acceptance: a depth from verified steps' acceptance per position (their counts
@@ -223,6 +226,10 @@ class CapacityControl:
         gate_open = self._gate_open(num_reqs, depth)
         drafting = gate_open
         if self.options.plain_steps:
+            # A gate measuring the costs it weighs (O known) times plain steps now and then.
+            overhead = self.step_overhead
+            if self.draft_gate is not None and overhead.measuring and overhead.ready:
+                gate_open = gate_open and not self.plain_cost_probe.closes(num_reqs, gate_open)
             # An open verdict (a probe of the closed gate's too) holds until a step the
             # scheduler gave drafts takes it: the scheduler acts a step or two late.
             gate_open = gate_open or self.open_verdict_pending
@@ -238,6 +245,7 @@ class CapacityControl:
         overhead = self.step_overhead
         if not overhead.ready:
             return True  # not weighed before the step's costs are known
+        plain = overhead.plain_step_seconds(num_reqs) if self.options.plain_steps else None
         return self.draft_gate.decide(
             num_reqs,
             self.stale_survival.per_request(),
@@ -245,6 +253,7 @@ class CapacityControl:
             overhead.per_step_seconds(num_reqs),
             overhead.per_draft_seconds,
             overhead.skip_seconds,
+            plain,
         )
 
     def take_gate_report(self) -> int | None:
@@ -266,15 +275,16 @@ class CapacityControl:
         if self.step_overhead is None or self.sps_table_host is None:
             return
         tokens, self.step_tokens = self.step_tokens, None
+        plain, self.step_plain = self.step_plain, False
         if tokens is None or tokens >= len(self.sps_table_host):
             # Not a decode step, or beyond the table: outside what the curve describes.
             self.step_overhead.observe(None, 0.0, 0.0)
             return
         forward = 1.0 / float(self.sps_table_host[tokens])
         drafts = tokens - num_reqs
-        self.step_overhead.observe(
-            drafts, forward, self._draft_seconds(num_reqs), num_reqs, not self.drafted_last
-        )
+        draft_s = 0.0 if plain else self._draft_seconds(num_reqs)
+        skipped = not self.drafted_last and not plain
+        self.step_overhead.observe(drafts, forward, draft_s, num_reqs, skipped, plain)
 
     def _draft_seconds(self, num_reqs: int) -> float:
         """The profiled time of a proposal at the current depth (0 when the last one was

@@ -13,7 +13,9 @@ per second of drafting and verifying j positions per request is
 
 against R / (1 / SPS(R) + O + S) without drafting, O and b being the step's time outside
 the curve, per step (at R requests) and per verified draft, and S what a skipped proposal
-still costs (:mod:`step_overhead`). The gate
+still costs (:mod:`step_overhead`); with plain steps, whose cost was measured apart, the
+side without drafting is a plain step's, R / (1 / SPS(R) + P), P its time outside the
+curve at R requests. The gate
 drafts when the best j wins, with a 2% hysteresis either way so that noise does not flip
 it every step. A skipped proposal still lets the drafter store its context K/V (later
 proposals need it) and verifies no draft: the next step's budget is 0 and vLLM runs R
@@ -70,10 +72,13 @@ class DraftGate:
         overhead_s: float = 0.0,
         per_draft_s: float = 0.0,
         skip_s: float = 0.0,
+        plain_s: float | None = None,
     ) -> tuple[float, float]:
-        """(best expected tokens/s with drafting, tokens/s without)."""
+        """(best expected tokens/s with drafting, tokens/s without: a plain step's when
+        ``plain_s`` is given, else a speculative step's after a skipped proposal)."""
         sps = self.sps_table
-        without = num_reqs / (1.0 / float(sps[num_reqs]) + overhead_s + skip_s)
+        rest = overhead_s + skip_s if plain_s is None else plain_s
+        without = num_reqs / (1.0 / float(sps[num_reqs]) + rest)
         best, expected = 0.0, 1.0
         fixed = self.proposal_seconds(num_reqs, depth) + overhead_s
         for j in range(1, depth + 1):
@@ -90,11 +95,14 @@ class DraftGate:
         overhead_s: float = 0.0,
         per_draft_s: float = 0.0,
         skip_s: float = 0.0,
+        plain_s: float | None = None,
     ) -> bool:
         """Whether the coming proposal drafts."""
         if num_reqs == 0:
             return self.drafting
-        best, without = self.gains(num_reqs, mean_survival, depth, overhead_s, per_draft_s, skip_s)
+        best, without = self.gains(
+            num_reqs, mean_survival, depth, overhead_s, per_draft_s, skip_s, plain_s
+        )
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
         if self.drafting:

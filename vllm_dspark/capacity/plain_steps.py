@@ -17,6 +17,14 @@ drafts only when the step it proposes for verifies drafts. The verdict reaches t
 scheduler a step or two late, which is harmless: what a step verifies never depends on
 the drafts being verified, so the output stays exactly the target's.
 
+What the gate weighs against drafting is then a plain step's cost, which speculative steps
+cannot show (:mod:`step_overhead` fits it from plain steps alone). So that it is known
+before the gate has ever closed, :class:`PlainCostProbe` closes an open gate for a few
+proposals in a row whenever the batch size enters a range (a power of two) whose plain
+steps were not measured, and every ``PLAIN_REFRESH`` proposals: a handful of plain steps
+in a thousand, where drafting pays, is what knowing when it stops paying costs. It counts
+proposals and reads the batch size, the same on every rank.
+
 The Dynamic SD table :func:`dynamic_sd_table` gives the engine K drafts at every real
 batch size, plus a 0 past any of them: vLLM then also captures FULL decode CUDA graphs
 of one token per request, which the plain steps replay. Data parallelism is refused, as
@@ -39,6 +47,36 @@ logger = init_logger(f"vllm.{__name__}")
 
 # Past any real batch size (vLLM's lookup stops at max_num_seqs).
 BEYOND_ANY_BATCH = 1 << 20
+# Proposals an open gate reports closed in a row to have plain steps measured (the
+# scheduler follows a step or two late, and the first plain step's period is a transition).
+PLAIN_BURST = 8
+PLAIN_REFRESH = 1024  # proposals after which plain steps are measured again
+
+
+class PlainCostProbe:
+    """Closes an open draft gate now and then, so that plain steps run and are timed."""
+
+    def __init__(self):
+        self.measured_ranges: set[int] = set()  # batch sizes' bit lengths
+        self.since_measured = 0
+        self.burst_left = 0
+
+    def closes(self, num_reqs: int, gate_open: bool) -> bool:
+        """Whether the coming proposal is reported closed although the gate is open."""
+        self.since_measured += 1
+        batch_range = num_reqs.bit_length()
+        if not gate_open:  # plain steps follow anyway and are timed
+            self.measured_ranges.add(batch_range)
+            self.since_measured = self.burst_left = 0
+            return False
+        stale = self.since_measured >= PLAIN_REFRESH
+        if self.burst_left == 0 and (batch_range not in self.measured_ranges or stale):
+            self.measured_ranges.add(batch_range)
+            self.since_measured, self.burst_left = 0, PLAIN_BURST
+        if self.burst_left == 0:
+            return False
+        self.burst_left -= 1
+        return True
 
 
 def dynamic_sd_table(num_drafts: int) -> list[tuple[int, int, int]]:

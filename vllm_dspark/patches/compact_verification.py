@@ -96,12 +96,27 @@ def _step_budget(runner, scheduler_output) -> int | None:
     return budget
 
 
+def _is_plain_decode(scheduler_output) -> bool:
+    """One token per running request and no draft: a step the scheduler gave no drafts."""
+    counts = scheduler_output.num_scheduled_tokens
+    return (
+        bool(counts)
+        and not scheduler_output.scheduled_new_reqs
+        and not any(scheduler_output.scheduled_spec_decode_tokens.values())
+        and all(n == 1 for n in counts.values())
+    )
+
+
 def _make_execute_wrapper(execute_model):
     def execute_model_with_compaction(self, scheduler_output, *args, **kwargs):
         if not getattr(self.speculator, "controls_capacity", False) or kwargs.get("dummy_run"):
             return execute_model(self, scheduler_output, *args, **kwargs)
         # Whether the step after this one verifies drafts (capacity/plain_steps.py).
         self.speculator.next_step_drafts = scheduler_output.num_spec_tokens_to_schedule
+        if self.speculator.options.plain_steps and _is_plain_decode(scheduler_output):
+            # Timed apart: the draft gate weighs drafting against this step's cost.
+            self.speculator.step_tokens = len(scheduler_output.num_scheduled_tokens)
+            self.speculator.step_plain = True
         token = _step_budget_var.set(_step_budget(self, scheduler_output))
         try:
             return execute_model(self, scheduler_output, *args, **kwargs)
