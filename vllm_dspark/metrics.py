@@ -96,6 +96,8 @@ class AdmissionCounts:
     per_request_overhead_us: float = 0.0
     per_draft_overhead_us: float = 0.0
     skipped_proposal_ms: float = 0.0  # what a proposal the draft gate skips still costs
+    plain_step_ms: float = 0.0  # plain_steps: a plain step's time outside the curve (P)
+    plain_per_request_us: float = 0.0  # and per request (p)
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -112,6 +114,8 @@ class AdmissionCounts:
             self.per_request_overhead_us,
             self.per_draft_overhead_us,
             self.skipped_proposal_ms,
+            self.plain_step_ms,
+            self.plain_per_request_us,
         )
 
     @property
@@ -145,6 +149,8 @@ def _overhead(step_overhead) -> dict:
         "per_request_overhead_us": round(step_overhead.per_request_seconds * 1e6, 3),
         "per_draft_overhead_us": round(step_overhead.per_draft_seconds * 1e6, 3),
         "skipped_proposal_ms": round(step_overhead.skip_seconds * 1e3, 4),
+        "plain_step_ms": round(step_overhead.plain_seconds * 1e3, 4),
+        "plain_per_request_us": round(step_overhead.plain_per_request_seconds * 1e6, 3),
     }
 
 
