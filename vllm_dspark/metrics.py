@@ -174,7 +174,9 @@ def _worker_gate_inputs(worker) -> dict:
     curve = speculator.profiled_sps_curve or []
     return {
         "gate_open": speculator.draft_gate.drafting,
-        "mean_survival": [round(s, 4) for s in stale.per_request()],
+        "mean_survival": [
+            round(s, 4) for s in speculator.gate_survival.mean or stale.per_request()
+        ],
         "sps_curve": [[int(t), sps] for t, sps in curve],
         "draft_ms": {
             depth: [[reqs, round(ms, 4)] for reqs, ms in rows]

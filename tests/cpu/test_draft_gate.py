@@ -162,3 +162,55 @@ def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():
     assert off == pytest.approx(8 / 1.6e-3)  # R / (forward + P)
     assert on < off
     assert not gate.decide(8, survival, K, overhead_s=2.4e-3, skip_s=0.2e-3, plain_s=1.1e-3)
+
+
+def test_the_gate_weighs_survivals_averaged_over_recent_requests():
+    from vllm_dspark.capacity.draft_gate import SURVIVAL_MEMORY, SurvivalAverage
+    from vllm_dspark.capacity.stale_record import StalePerRequest
+
+    stale, average = StalePerRequest(torch.device("cpu"), [1.0, 1.0]), SurvivalAverage()
+    assert average.update(stale, 1) == [1.0, 1.0]  # no record yet: the initial guess
+    stale.record(torch.tensor([0.9, 0.6]), 1)
+    stale.record(torch.tensor([0.1, 0.0]), 1)
+    assert average.update(stale, 1) == pytest.approx([0.9, 0.6])  # the first record read
+    assert average.update(stale, 1) == pytest.approx([0.9, 0.6])  # read once
+    stale.record(torch.tensor([0.1, 0.0]), 1)
+    # One request's doubtful proposal moves the average by 1 / (1 + memory) of the way.
+    weight = 1 / (1 + SURVIVAL_MEMORY)
+    before = average.update(stale, 1)
+    assert before == pytest.approx([0.9 - 0.8 * weight, 0.6 - 0.6 * weight])
+    # A batch of 256 requests' mean counts for most of it.
+    stale.record(torch.tensor([0.2 * 256, 0.1 * 256]), 256)
+    stale.record(torch.tensor([0.0, 0.0]), 256)
+    weight = 256 / (256 + SURVIVAL_MEMORY)
+    expected = [m + weight * (x - m) for m, x in zip(before, [0.2, 0.1], strict=True)]
+    assert average.update(stale, 256) == pytest.approx(expected)
+
+
+def test_a_short_doubtful_passage_at_one_request_does_not_close_the_gate(engine_config, model_dirs):
+    from test_compact_verification import K as NUM_DRAFTS
+    from test_compact_verification import build_speculator
+
+    # A flat 1 ms forward, 2 ms outside it, 0.5 ms per proposal: at one request drafting
+    # pays when the mean survivals sum to more than about 0.2.
+    speculator = build_speculator(
+        engine_config,
+        model_dirs,
+        dspark_capacity="sps",
+        dspark_sps_curve=[[1, 1000.0], [64, 1000.0]],
+        dspark_step_overhead_ms=2.0,
+    )
+    speculator.set_draft_cost({NUM_DRAFTS: [(1, 0.5), (64, 0.5)]})
+    confident = torch.cumprod(torch.full((1, NUM_DRAFTS), 0.9), dim=1)
+    doubtful = torch.cumprod(torch.full((1, NUM_DRAFTS), 0.02), dim=1)
+    decisions = []
+    for survival in [confident] * 40 + [doubtful] * 10 + [confident] * 5:
+        decisions.append(speculator.plan_proposal(1, NUM_DRAFTS))
+        speculator.record_proposal(survival)
+    assert all(decisions)
+    # On the doubtful proposals' own survivals it would have closed.
+    gate = speculator.draft_gate
+    doubtful_mean = doubtful[0].tolist()
+    assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
+        1, doubtful_mean, NUM_DRAFTS, overhead_s=2e-3
+    )

@@ -31,7 +31,7 @@ from vllm_dspark.capacity.allocation import (
     sps_table_from_curve,
     threshold_count,
 )
-from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
+from vllm_dspark.capacity.draft_gate import DraftGate, SurvivalAverage, draft_seconds_table
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
@@ -219,6 +219,7 @@ class CapacityControl:
         self.draft_gate = DraftGate(self.sps_table_host, tables)
         # Recent mean prefix survival per position, for the gate (optimistic at first).
         self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
+        self.gate_survival = SurvivalAverage()
 
     def plan_proposal(self, num_reqs: int, depth: int) -> bool:
         """Whether the coming proposal drafts: unless the draft gate closes, or (plain
@@ -248,7 +249,7 @@ class CapacityControl:
         plain = overhead.plain_step_seconds(num_reqs) if self.options.plain_steps else None
         return self.draft_gate.decide(
             num_reqs,
-            self.stale_survival.per_request(),
+            self.gate_survival.update(self.stale_survival, num_reqs),
             depth,
             overhead.per_step_seconds(num_reqs),
             overhead.per_draft_seconds,

@@ -22,7 +22,10 @@ proposals need it) and verifies no draft: the next step's budget is 0 and vLLM r
 tokens, as without speculation. While the gate is closed the survival statistics keep
 their last values, so it reopens as load leaves (smaller R); and every ``PROBE_EVERY``
 skipped proposals in a row it drafts one anyway, so that survivals which were low when it
-closed (or the first steps' guesses) are measured again rather than kept for good. Host
+closed (or the first steps' guesses) are measured again rather than kept for good. The
+survivals it weighs are an average over about the last ``SURVIVAL_MEMORY`` requests'
+proposals (:class:`SurvivalAverage`): the gate follows the load, and one proposal of a
+few requests is too noisy a reading of the workload's acceptance. Host
 arithmetic on values every rank reads alike: every tensor-parallel rank decides the same.
 """
 
@@ -33,8 +36,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_dspark.capacity.stale_record import StalePerRequest
+
 HYSTERESIS = 0.02
 PROBE_EVERY = 64  # skipped proposals in a row before one is drafted to refresh survivals
+SURVIVAL_MEMORY = 64  # requests' proposals the gate's mean survivals average over
+
+
+class SurvivalAverage:
+    """Per position, the mean prefix survival the gate weighs: each proposal's batch mean
+    (read one proposal late, :class:`StalePerRequest`) joins a running average with weight
+    R / (R + SURVIVAL_MEMORY). At one request the latest proposal alone closed the gate on
+    a passage of doubtful drafts, and closed, it kept that reading until a probe's single
+    proposal looked better: 2,714 of 3,900 proposals skipped where drafting was 1.8x
+    faster (embedded pair, 9be693c, H200). A batch of hundreds is its own average."""
+
+    def __init__(self):
+        self.mean: list[float] | None = None
+        self.records_read = 0
+
+    def update(self, stale: StalePerRequest, num_reqs: int) -> list[float]:
+        """The average after taking in the newest readable record (the stale record's
+        initial value until there is one)."""
+        if stale.proposals >= 2 and stale.proposals != self.records_read:
+            self.records_read = stale.proposals
+            latest = stale.per_request()
+            if self.mean is None:
+                self.mean = list(latest)
+            else:
+                weight = num_reqs / (num_reqs + SURVIVAL_MEMORY)
+                self.mean = [m + weight * (x - m) for m, x in zip(self.mean, latest, strict=True)]
+        return stale.per_request() if self.mean is None else self.mean
 
 
 def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> torch.Tensor:
