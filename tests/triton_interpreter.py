@@ -25,7 +25,9 @@ def run_interpreted(test_file: str) -> int:
         pytest.skip("this is the interpreter subprocess")
     pytest.importorskip("triton")
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # No visible GPU reads to vLLM as a distributed worker before CUDA is up: it keeps its
+    # Triton kernels (without a driver it would replace them with stubs).
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(

@@ -11,8 +11,6 @@ import inspect
 
 import torch
 from vllm.config import VllmConfig
-from vllm.config.compilation import CUDAGraphMode
-from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
@@ -30,6 +28,7 @@ from vllm_dspark.capacity.control import CapacityControl
 from vllm_dspark.capacity.online_sts import OnlineSTS
 from vllm_dspark.capacity.synthetic import SyntheticConfidence
 from vllm_dspark.config import DSparkOptions
+from vllm_dspark.context_kv import GraphedContextKV
 from vllm_dspark.head.draft_heads import DraftHeads
 
 _PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
@@ -56,15 +55,7 @@ def point_mass_draws(
     flat.view(-1).index_fill_(0, (flat_rows * vocab + tokens[:, None]).flatten(), 0.0)
 
 
-class NoDraftGraphs:
-    """Stands in for the draft graph manager of a proposal the draft gate skips: every
-    dispatch goes to the eager path, where the skipped proposal computes nothing."""
-
-    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras=0):
-        return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
-
-
-class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
+class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
@@ -88,7 +79,6 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
         # graph manager per depth: switching depth replays another graph, never recaptures.
         self.draft_depth = self.num_speculative_steps
         self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
-        self._skip_draft = False  # the draft gate closed for the proposal being made
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         with plain_steps.without_dynamic_sd_table(self.vllm_config):
@@ -112,11 +102,13 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
 
     def capture(self) -> None:
         if self.physical_depth is None:
-            return super().capture()
-        for depth in self._depth_graphs:
-            self._use_depth(depth)
             super().capture()
-        self._use_depth(self.physical_depth.depth)
+        else:
+            for depth in self._depth_graphs:
+                self._use_depth(depth)
+                super().capture()
+            self._use_depth(self.physical_depth.depth)
+        self.capture_context_kv(self.query_cudagraph_manager.pool)
 
     def switch_capacity(self, updates: dict) -> DSparkOptions:
         options = super().switch_capacity(updates)
@@ -171,13 +163,7 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
             if self.physical_depth is not None:
                 self._use_depth(self.physical_depth.depth)
             drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
-        graphs = self.query_cudagraph_manager
-        if not drafting:
-            self._skip_draft, self.query_cudagraph_manager = True, NoDraftGraphs()
-        try:
-            drafts = super().propose(*args, **kwargs)
-        finally:
-            self._skip_draft, self.query_cudagraph_manager = False, graphs
+        drafts = super().propose(*args, **kwargs) if drafting else self._propose_skipped(call)
         if real_step:
             self.drafted_last = drafting
         if self.has_confidence and real_step:
@@ -188,25 +174,38 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
                 self.record_proposal(survival)
         return drafts
 
-    def _build_draft_attn_metadata(self, *args, **kwargs):
-        # A skipped proposal runs no draft attention: spare the host the metadata build
-        # (the next drafting proposal builds its own, FlashAttention's schedule included).
-        if self._skip_draft:
-            return None
-        return super()._build_draft_attn_metadata(*args, **kwargs)
+    def _propose_skipped(self, call: dict) -> torch.Tensor:
+        """A proposal the draft gate skips, with none of the drafting prologue.
 
-    def _generate_draft(self, num_reqs: int, *args, **kwargs) -> None:
-        if not self._skip_draft:
-            return super()._generate_draft(num_reqs, *args, **kwargs)
-        # A skipped proposal: valid token ids that nothing verifies (the next budget is 0).
-        anchor = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]]
+        The next drafting proposal attends to this step's tokens, so their context K/V is
+        stored, at the positions and KV slots the target just used: the drafter's context
+        slots are the target's slot mapping of the draft KV-cache groups, which stock
+        computes again from the same block tables (``tests/cpu/test_context_kv.py``). The
+        drafts are placeholders nothing verifies (the next step's budget is 0; a step that
+        verifies them anyway reads them as point masses). No host sync."""
+        input_batch = call["input_batch"]
+        num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
+        aux = call["aux_hidden_states"]
+        if aux:
+            hidden = self.model.combine_hidden_states(torch.cat(aux, dim=-1))
+        else:
+            hidden = call["last_hidden_states"]
+        self.hidden_states[:num_tokens].copy_(hidden[:num_tokens])
+        self.context_positions[:num_tokens].copy_(input_batch.positions[:num_tokens])
+        target_slots = self.block_tables.slot_mappings[self.draft_kv_cache_group_ids]
+        self._context_slot_mappings[:, :num_tokens].copy_(target_slots[:, :num_tokens])
+        self.model.precompute_and_store_context_kv(
+            self.hidden_states[:num_tokens],
+            self.context_positions[:num_tokens],
+            self.context_kv.slots(num_tokens),
+        )
+        slots = input_batch.idx_mapping
+        anchor = call["last_sampled"].view(-1)[slots.long()]
         self.draft_tokens[:num_reqs] = anchor.unsqueeze(1)
         self.survival[:num_reqs] = UNCOMPUTED_SURVIVAL
         if self.draft_logits is not None:
-            num_drafts = self.num_speculative_steps
-            slots = self.sample_idx_mapping[: num_reqs * num_drafts].view(num_reqs, num_drafts)
-            point_mass_draws(self.draft_logits, slots[:, 0], anchor)
-        return None
+            point_mass_draws(self.draft_logits, slots, anchor)
+        return self.draft_tokens[:num_reqs]
 
     def _observe_verification(self, input_batch, slots, num_sampled) -> None:
         """What the step just verified, the drafts each slot proposed last step, feeds the
@@ -292,7 +291,7 @@ class DSparkPluginSpeculator(CapacityControl, DSparkSpeculator):
                 self.survival[:num_reqs, depth:] = UNCOMPUTED_SURVIVAL
 
 
-class DFlashPluginSpeculator(CapacityControl, DFlashSpeculator):
+class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
@@ -311,6 +310,10 @@ class DFlashPluginSpeculator(CapacityControl, DFlashSpeculator):
         model = super().load_draft_model(target_model, target_attn_layer_names)
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
         return model
+
+    def capture(self) -> None:
+        super().capture()
+        self.capture_context_kv(self.query_cudagraph_manager.pool)
 
     def sample_draft(
         self, hidden_states, positions, idx_mapping, temperature, seeds, draft_step, draft_logits

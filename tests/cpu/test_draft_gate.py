@@ -89,7 +89,6 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
 
     from vllm.config import set_current_vllm_config
 
-    from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL
     from vllm_dspark.config import DSparkOptions
     from vllm_dspark.metrics import _worker_gate_inputs
     from vllm_dspark.speculator import DSparkPluginSpeculator
@@ -127,27 +126,6 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
     assert speculator.plan_proposal(1, K)  # one request drafts cheaply: worth it again
     speculator.drafted_last = False
     assert speculator.admission_budget(16) == 0
-
-    # What the skipped proposal leaves: the anchor as every draft, survival below all.
-    slots = torch.tensor([5, 0, 2], dtype=torch.int32)  # request slots of the batch rows
-    fake = SimpleNamespace(
-        _skip_draft=True,
-        num_speculative_steps=K,
-        input_buffers=SimpleNamespace(input_ids=torch.arange(100, 100 + 3 * K)),
-        _anchor_idx=torch.arange(3) * K,
-        sample_idx_mapping=slots.repeat_interleave(K),
-        draft_tokens=torch.zeros(3, K, dtype=torch.long),
-        survival=torch.ones(3, K),
-        draft_logits=torch.zeros(6, K, 200),
-    )
-    # No draft attention runs, so none is built for it.
-    assert DSparkPluginSpeculator._build_draft_attn_metadata(fake, 3, 4, 24) is None
-    DSparkPluginSpeculator._generate_draft(fake, 3)
-    assert fake.draft_tokens.tolist() == [[100] * K, [107] * K, [114] * K]
-    assert (fake.survival == UNCOMPUTED_SURVIVAL).all()
-    # The point masses sit in the rows of the requests' slots, where verification reads.
-    assert (fake.draft_logits[slots.long()].argmax(-1) == fake.draft_tokens).all()
-    assert (fake.draft_logits[[1, 3, 4]] == 0).all()
 
 
 def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():

@@ -75,7 +75,7 @@ case "$stage" in
     ;;
   smoke)
     vllm_env; use_recalibrated
-    timeout 500 python3 -m pytest tests/gpu/test_capacity_kernels_gpu.py tests/gpu/test_smoke_gpu.py \
+    timeout 500 python3 -m pytest tests/gpu/test_capacity_kernels_gpu.py tests/gpu/test_context_kv_gpu.py tests/gpu/test_smoke_gpu.py \
       -q -p no:cacheprovider -x 2>&1 | tee "$OUT/smoke.log" | tail -15
     ;;
   recal)

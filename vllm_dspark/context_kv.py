@@ -1,0 +1,119 @@
+"""The drafter's context-K/V store, replayed from CUDA graphs.
+
+DFlash and DSpark drafters attend to K/V of every target token (their "context"), which
+``precompute_and_store_context_kv`` projects from the target's hidden states and writes to
+the draft layers' caches once per step. vLLM 0.26.0 runs that store eagerly, as its token
+count varies per step: 8 + L kernel launches (L draft layers) whose host cost, 0.35-0.57 ms
+a step on the embedded pair (``step_breakdown_embedded.json``), is far above their GPU time.
+Here the store is captured once per token count of the target's CUDA-graph sizes, on the
+speculator's own fixed buffers (hidden states, context positions, context slot mappings),
+and a step replays the smallest graph that holds its tokens. The rows past the step's
+tokens get slot -1, which every KV-cache write skips, so a replay writes what the eager
+store writes; only where cuBLAS picks another kernel for the padded projection can a K/V
+value differ in its last bits, which may change a draft but never an output (verification
+is exact). A store on other tensors (dummy runs, token counts past the largest graph)
+runs eagerly, as stock.
+
+The method is shadowed on the drafter instance that a vllm-dspark speculator owns, never
+on its class: stock speculators keep stock's eager store.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import torch
+
+PAD_SLOT_ID = -1  # vLLM's padding slot (vllm.v1.attention.backends.utils): no cache write
+
+
+class ContextKVGraphs:
+    """Graph replays of one drafter's context-K/V store.
+
+    states: [T, H] hidden states, positions: [T], slot_rows: [G, T] one slot mapping per
+    draft KV-cache group (the speculator's buffers, written before each store);
+    layer_rows: each draft layer's row of ``slot_rows``, or None where every layer shares
+    row 0 (how stock passes them to the model)."""
+
+    def __init__(self, model, states, positions, slot_rows, layer_rows, sizes):
+        # The class's method: a second ContextKVGraphs on the model does not wrap the first.
+        self._eager = type(model).precompute_and_store_context_kv.__get__(model)
+        self.states, self.positions, self.slot_rows = states, positions, slot_rows
+        self.layer_rows = layer_rows
+        limit = min(states.shape[0], positions.shape[0], slot_rows.shape[1])
+        self.sizes = sorted({size for size in sizes if 0 < size <= limit})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        model.precompute_and_store_context_kv = self.store
+
+    def slots(self, num_tokens: int):
+        """The slot mappings of the first ``num_tokens`` tokens, shaped as stock passes them."""
+        if self.layer_rows is None:
+            return self.slot_rows[0, :num_tokens]
+        return [self.slot_rows[row, :num_tokens] for row in self.layer_rows]
+
+    def capture(self, pool) -> None:
+        """One graph per size, largest first so that smaller ones reuse its pool memory."""
+        self.slot_rows.fill_(PAD_SLOT_ID)  # warm-up and capture write nothing
+        for size in reversed(self.sizes):
+            args = (self.states[:size], self.positions[:size], self.slots(size))
+            self._eager(*args)  # lazy initialisation outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self._eager(*args)
+            self.graphs[size] = graph
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The captured size that replays ``num_tokens`` tokens, None if there is none."""
+        index = bisect_left(self.sizes, num_tokens)
+        if not self.graphs or index == len(self.sizes):
+            return None
+        return self.sizes[index]
+
+    def store(self, states, positions, slots=None) -> None:
+        """The drafter's ``precompute_and_store_context_kv``: a replay when the arguments
+        are the first rows of the captured buffers, else the eager store."""
+        num_tokens = states.shape[0]
+        size = self.bucket(num_tokens)
+        if size is None or not self._on_buffers(states, positions, slots):
+            return self._eager(states, positions, slots)
+        self.slot_rows[:, num_tokens:size].fill_(PAD_SLOT_ID)
+        self.graphs[size].replay()
+        return None
+
+    def _on_buffers(self, states, positions, slots) -> bool:
+        if slots is None:  # a dummy run: compute only, write nothing
+            return False
+        expected = self.slots(1)
+        if isinstance(expected, list):
+            if not isinstance(slots, (list, tuple)) or len(slots) != len(expected):
+                return False
+            pairs = list(zip(slots, expected, strict=True))
+        else:
+            if not isinstance(slots, torch.Tensor):
+                return False
+            pairs = [(slots, expected)]
+        pairs += [(states, self.states), (positions, self.positions)]
+        return all(
+            given is not None and given.data_ptr() == captured.data_ptr()
+            for given, captured in pairs
+        )
+
+
+class GraphedContextKV:
+    """Mixin for vllm-dspark's DFlash-family speculators: the context-K/V store replays
+    :class:`ContextKVGraphs`, captured after the speculator's own draft graphs."""
+
+    def set_attn(self, *args, **kwargs) -> None:
+        super().set_attn(*args, **kwargs)
+        self.context_kv = ContextKVGraphs(
+            self.model,
+            self.hidden_states,
+            self.context_positions,
+            self._context_slot_mappings,
+            self._layer_group_idx,
+            self.vllm_config.compilation_config.cudagraph_capture_sizes or (),
+        )
+
+    def capture_context_kv(self, pool) -> None:
+        if pool is not None:  # None: CUDA graphs are off, the store stays eager
+            self.context_kv.capture(pool)
