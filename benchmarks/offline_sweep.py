@@ -163,6 +163,7 @@ def run_arm_here(spec: dict) -> None:
         AdmissionCounts,
         SpecDecodeCounts,
         admission_counts_per_rank,
+        engine_steps,
         gate_inputs,
     )
 
@@ -217,7 +218,8 @@ def run_arm_here(spec: dict) -> None:
             # compile kernels (Triton specialises on sizes), which the short runs at low
             # concurrency would otherwise count.
             llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
-            before = SpecDecodeCounts.from_metrics(llm.get_metrics())
+            metrics = llm.get_metrics()
+            before, steps_before = SpecDecodeCounts.from_metrics(metrics), engine_steps(metrics)
             admitted_before = admission_per_rank()
             tok_s = []
             # Below min_requests, a repeat is several waves of ``concurrency`` requests one
@@ -235,7 +237,9 @@ def run_arm_here(spec: dict) -> None:
                     tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
                 tok_s.append(round(tokens / seconds, 1))
             # Counters over every repeat; throughput the median repeat's.
-            counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
+            metrics = llm.get_metrics()
+            counts = SpecDecodeCounts.from_metrics(metrics) - before
+            batches = spec["repeats"] * waves
             per_rank = [
                 after - before
                 for after, before in zip(admission_per_rank(), admitted_before, strict=True)
@@ -246,6 +250,8 @@ def run_arm_here(spec: dict) -> None:
                 "tok_s": statistics.median(tok_s),
                 "tok_s_repeats": tok_s,
                 "acceptance_length": counts.acceptance_length if counts.drafts else None,
+                # Prefill steps included: the tail of slow requests shows here.
+                "engine_steps_per_batch": (engine_steps(metrics) - steps_before) / batches,
                 # Per request and step, compacted steps only (else all K).
                 "admitted_per_req": admitted.admitted_per_request if speculating else None,
                 "admission": asdict(admitted),

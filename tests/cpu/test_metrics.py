@@ -1,6 +1,6 @@
-from vllm.v1.metrics.reader import Counter, Vector
+from vllm.v1.metrics.reader import Counter, Histogram, Vector
 
-from vllm_dspark.metrics import SpecDecodeCounts
+from vllm_dspark.metrics import SpecDecodeCounts, engine_steps
 
 
 def snapshot(drafts, accepted, per_pos):
@@ -24,6 +24,16 @@ def test_difference_of_snapshots_gives_the_run():
     assert run.accepted_per_position == [18, 9, 3]
     assert run.acceptance_length == 2.5
     assert run.per_position_acceptance == [0.9, 0.45, 0.15]
+
+
+def test_engine_steps_count_every_engines_iterations():
+    def iterations(engine, count):
+        labels = {"engine": engine}
+        return Histogram("vllm:iteration_tokens_total", labels, count, 9.0 * count, {})
+
+    other = Histogram("vllm:time_to_first_token_seconds", {"engine": "0"}, 50, 1.0, {})
+    assert engine_steps([iterations("0", 120), iterations("1", 7), other]) == 127
+    assert engine_steps([Counter("vllm:num_requests_running", {"engine": "0"}, 99)]) == 0
 
 
 def test_no_drafts_gives_nan():
