@@ -197,9 +197,6 @@ def read_draft_slot_check(worker) -> dict:
 
 
 def main(spec: dict) -> None:
-    # Multi-GPU machines here must keep NVLink multicast off (the device's KINDS.md).
-    for name in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
-        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 

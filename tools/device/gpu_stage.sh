@@ -59,6 +59,8 @@ RECAL=/tmp/recal_pair
 vllm_env() {
   . tools/device/bundle.sh install >/dev/null || exit 1
   . tools/device/register_plugin.sh /tmp/vsite >/dev/null
+  # Multi-GPU kinds must keep NVLink multicast off (the device tool's KINDS.md).
+  export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 }
 use_recalibrated() {
   # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
