@@ -160,11 +160,13 @@ def run_arm_here(spec: dict) -> None:
 
     from vllm_dspark.engine_control import switch_capacity
     from vllm_dspark.metrics import (
+        ITERATION_TOKENS,
+        TIME_TO_FIRST_TOKEN,
         AdmissionCounts,
         SpecDecodeCounts,
         admission_counts_per_rank,
-        engine_steps,
         gate_inputs,
+        histogram_totals,
     )
 
     speculative = None
@@ -219,7 +221,9 @@ def run_arm_here(spec: dict) -> None:
             # concurrency would otherwise count.
             llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
             metrics = llm.get_metrics()
-            before, steps_before = SpecDecodeCounts.from_metrics(metrics), engine_steps(metrics)
+            before = SpecDecodeCounts.from_metrics(metrics)
+            steps_before, _ = histogram_totals(metrics, ITERATION_TOKENS)
+            first_before = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
             admitted_before = admission_per_rank()
             tok_s = []
             # Below min_requests, a repeat is several waves of ``concurrency`` requests one
@@ -240,6 +244,8 @@ def run_arm_here(spec: dict) -> None:
             metrics = llm.get_metrics()
             counts = SpecDecodeCounts.from_metrics(metrics) - before
             batches = spec["repeats"] * waves
+            steps, _ = histogram_totals(metrics, ITERATION_TOKENS)
+            firsts, first_seconds = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
             per_rank = [
                 after - before
                 for after, before in zip(admission_per_rank(), admitted_before, strict=True)
@@ -250,8 +256,10 @@ def run_arm_here(spec: dict) -> None:
                 "tok_s": statistics.median(tok_s),
                 "tok_s_repeats": tok_s,
                 "acceptance_length": counts.acceptance_length if counts.drafts else None,
-                # Prefill steps included: the tail of slow requests shows here.
-                "engine_steps_per_batch": (engine_steps(metrics) - steps_before) / batches,
+                # Prefill steps included: the tail of slow requests shows here, the prefill
+                # phase in the time to first token.
+                "engine_steps_per_batch": (steps - steps_before) / batches,
+                "mean_ttft_s": (first_seconds - first_before[1]) / max(firsts - first_before[0], 1),
                 # Per request and step, compacted steps only (else all K).
                 "admitted_per_req": admitted.admitted_per_request if speculating else None,
                 "admission": asdict(admitted),

@@ -59,11 +59,16 @@ class SpecDecodeCounts:
         ]
 
 
-def engine_steps(metrics) -> int:
-    """Engine steps so far, from vLLM's histogram of tokens per step (one observation each):
-    with every request submitted at once, a batch takes as many steps as its slowest
-    request needs, however fast the others finished."""
-    return sum(metric.count for metric in metrics if metric.name == "vllm:iteration_tokens_total")
+ITERATION_TOKENS = "vllm:iteration_tokens_total"  # observed once per engine step
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # once per request
+
+
+def histogram_totals(metrics, name: str) -> tuple[int, float]:
+    """(observations, their sum) of one of vLLM's histograms, over every engine. With every
+    request submitted at once, the engine steps of a batch (ITERATION_TOKENS) are as many as
+    its slowest request needs, however fast the others finished."""
+    found = [metric for metric in metrics if metric.name == name]
+    return sum(metric.count for metric in found), sum(metric.sum for metric in found)
 
 
 def _worker_calibration(worker) -> dict:

@@ -1,6 +1,6 @@
 from vllm.v1.metrics.reader import Counter, Histogram, Vector
 
-from vllm_dspark.metrics import SpecDecodeCounts, engine_steps
+from vllm_dspark.metrics import ITERATION_TOKENS, SpecDecodeCounts, histogram_totals
 
 
 def snapshot(drafts, accepted, per_pos):
@@ -26,14 +26,16 @@ def test_difference_of_snapshots_gives_the_run():
     assert run.per_position_acceptance == [0.9, 0.45, 0.15]
 
 
-def test_engine_steps_count_every_engines_iterations():
+def test_histogram_totals_add_every_engines_observations():
     def iterations(engine, count):
-        labels = {"engine": engine}
-        return Histogram("vllm:iteration_tokens_total", labels, count, 9.0 * count, {})
+        return Histogram(ITERATION_TOKENS, {"engine": engine}, count, 9.0 * count, {})
 
     other = Histogram("vllm:time_to_first_token_seconds", {"engine": "0"}, 50, 1.0, {})
-    assert engine_steps([iterations("0", 120), iterations("1", 7), other]) == 127
-    assert engine_steps([Counter("vllm:num_requests_running", {"engine": "0"}, 99)]) == 0
+    metrics = [iterations("0", 120), iterations("1", 7), other]
+    assert histogram_totals(metrics, ITERATION_TOKENS) == (127, 9.0 * 127)
+    assert histogram_totals(metrics, "vllm:time_to_first_token_seconds") == (50, 1.0)
+    running = Counter("vllm:num_requests_running", {"engine": "0"}, 99)
+    assert histogram_totals([running], ITERATION_TOKENS) == (0, 0)
 
 
 def test_no_drafts_gives_nan():
