@@ -251,10 +251,10 @@ class CapacityControl:
             num_reqs,
             self.gate_survival.update(self.stale_survival, num_reqs),
             depth,
-            overhead.per_step_seconds(num_reqs),
-            overhead.per_draft_seconds,
-            overhead.skip_seconds,
-            plain,
+            overhead_s=overhead.per_step_seconds(num_reqs),
+            per_draft_s=overhead.per_draft_seconds,
+            skip_s=overhead.skip_seconds,
+            plain_s=plain,
         )
 
     def take_gate_report(self) -> int | None:

@@ -119,22 +119,12 @@ class DraftGate:
             best = max(best, num_reqs * expected / step)
         return best, without
 
-    def decide(
-        self,
-        num_reqs: int,
-        mean_survival: list[float],
-        depth: int,
-        overhead_s: float = 0.0,
-        per_draft_s: float = 0.0,
-        skip_s: float = 0.0,
-        plain_s: float | None = None,
-    ) -> bool:
-        """Whether the coming proposal drafts."""
+    def decide(self, num_reqs: int, mean_survival: list[float], depth: int, **costs) -> bool:
+        """Whether the coming proposal drafts (``costs``: the step costs :meth:`gains`
+        takes)."""
         if num_reqs == 0:
             return self.drafting
-        best, without = self.gains(
-            num_reqs, mean_survival, depth, overhead_s, per_draft_s, skip_s, plain_s
-        )
+        best, without = self.gains(num_reqs, mean_survival, depth, **costs)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
         if self.drafting:
