@@ -52,7 +52,9 @@ class ContextKVGraphs:
         return [self.slot_rows[row, :num_tokens] for row in self.layer_rows]
 
     def capture(self, pool) -> None:
-        """One graph per size, largest first so that smaller ones reuse its pool memory."""
+        """One graph per size, largest first so that smaller ones reuse its pool memory.
+        The store runs no collective (under tensor parallelism each rank projects its own
+        K/V heads), so none of vLLM's collective capture contexts is needed."""
         self.slot_rows.fill_(PAD_SLOT_ID)  # warm-up and capture write nothing
         for size in reversed(self.sizes):
             args = (self.states[:size], self.positions[:size], self.slots(size))
