@@ -1,0 +1,137 @@
+"""How many engine steps a batch of the embedded pair's requests lasts with greedy DSpark
+k=7, on the capacity sweep's own prompts (CPU, float32, PyTorch reference pair).
+
+Greedy verification commits the target's greedy continuation whatever the drafts, so each
+request's decode steps follow from its drafts alone (``vllm_dspark.tiny_pair.evaluate``):
+after the prefill step (one token), a step from anchor p accepts the a leading drafts that
+match and commits a + 1 tokens. With every request submitted at once, as in
+``offline_sweep.py``, a batch lasts as many steps as its slowest request needs; this
+counts them, against the 128 - 1 decode steps every request takes without speculation, and
+the step occupancy (requests still decoding) along the way.
+
+    python benchmarks/batch_steps.py --out benchmarks/results/batch_steps_embedded.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+from offline_sweep import heldout_stream, sweep_prompts
+
+from vllm_dspark.demo import EMBEDDED_PAIR
+from vllm_dspark.tiny_pair.drafter import SharedTargetWeights
+from vllm_dspark.tiny_pair.evaluate import accepted_prefix_length
+from vllm_dspark.tiny_pair.reference import load_reference_pair
+from vllm_dspark.tiny_pair.target import generate_continuations, target_features
+
+
+def sweep_batches(concurrency: int, repeats: int, min_requests: int) -> list[list[list[int]]]:
+    """The prompts of offline_sweep's timed repeats at ``concurrency`` (waves included)."""
+    stream = heldout_stream()
+    waves = -(-min_requests // concurrency)
+    return [
+        [p["prompt_token_ids"] for p in sweep_prompts(concurrency, offset, 128, stream)]
+        for offset in (
+            concurrency + 7 * (repeat * waves + wave)
+            for repeat in range(repeats)
+            for wave in range(waves)
+        )
+    ]
+
+
+@torch.no_grad()
+def decode_steps(target, drafter, prompts: list[list[int]], output_len: int, batch: int):
+    """Per request: the decode steps (after prefill) to commit ``output_len`` tokens."""
+    num_drafts = drafter.config.block_size
+    shared = SharedTargetWeights(target.model.embed_tokens.weight, target.lm_head.weight)
+    prompt_len = len(prompts[0])
+    # Anchors prompt_len .. prompt_len + output_len - 2, each judged on K tokens after it.
+    anchors = torch.arange(prompt_len, prompt_len + output_len - 1)
+    offsets = torch.arange(1, num_drafts + 1)
+    steps = []
+    for start in range(0, len(prompts), batch):
+        chunk = torch.tensor(prompts[start : start + batch])
+        seqs = generate_continuations(target, chunk, output_len + num_drafts, greedy=True)
+        features = target_features(target, seqs, drafter.config.target_layer_ids)
+        proposal = drafter.propose(
+            features.aux_hidden, anchors.expand(len(seqs), -1), seqs[:, anchors], shared
+        )
+        matches = (proposal.tokens == seqs[:, anchors[:, None] + offsets]).numpy()
+        for row in matches:
+            committed, anchor, count = 1, 0, 0  # the prefill step commits the first token
+            while committed < output_len:
+                accepted = accepted_prefix_length(row[anchor])
+                committed += accepted + 1
+                anchor += accepted + 1
+                count += 1
+            steps.append(count)
+    return steps
+
+
+def batch_row(concurrency: int, per_batch: list[list[int]], output_len: int) -> dict:
+    longest = [max(steps) for steps in per_batch]
+    mean = [float(np.mean(steps)) for steps in per_batch]
+    # Requests still decoding at each step of the median-length batch.
+    median_batch = per_batch[int(np.argsort(longest)[len(longest) // 2])]
+    occupancy = [sum(s > step for s in median_batch) for step in range(max(median_batch))]
+    return {
+        "concurrency": concurrency,
+        "batches": len(per_batch),
+        "decode_steps_nospec": output_len - 1,
+        "batch_decode_steps": longest,
+        "mean_request_decode_steps": [round(m, 2) for m in mean],
+        "proposals_per_batch": [sum(steps) for steps in per_batch],
+        "acceptance_length": round(
+            (output_len - 1)
+            * len(per_batch)
+            * concurrency
+            / sum(sum(steps) for steps in per_batch),
+            3,
+        ),
+        "occupancy_median_batch": occupancy,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32, help="sequences per drafter pass")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    target, drafter, _ = load_reference_pair(EMBEDDED_PAIR)
+    rows = []
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        per_batch = [
+            decode_steps(target, drafter, prompts, args.output_len, args.batch)
+            for prompts in sweep_batches(concurrency, args.repeats, args.min_requests)
+        ]
+        rows.append(batch_row(concurrency, per_batch, args.output_len))
+        print({k: v for k, v in rows[-1].items() if k != "occupancy_median_batch"}, flush=True)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "command": "python benchmarks/batch_steps.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": "CPU (float32 PyTorch reference pair, no GPU)",
+        "setup": "embedded pair, greedy, k=7, every draft verified, offline_sweep's held-out "
+        "prompts (128 tokens), 128 output tokens",
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
