@@ -63,15 +63,20 @@ def decode_steps(target, drafter, prompts: list[list[int]], output_len: int, bat
             features.aux_hidden, anchors.expand(len(seqs), -1), seqs[:, anchors], shared
         )
         matches = (proposal.tokens == seqs[:, anchors[:, None] + offsets]).numpy()
-        for row in matches:
-            committed, anchor, count = 1, 0, 0  # the prefill step commits the first token
-            while committed < output_len:
-                accepted = accepted_prefix_length(row[anchor])
-                committed += accepted + 1
-                anchor += accepted + 1
-                count += 1
-            steps.append(count)
+        steps += [request_steps(row, output_len) for row in matches]
     return steps
+
+
+def request_steps(matches: np.ndarray, output_len: int) -> int:
+    """Decode steps of one request: ``matches[i, k]`` says whether draft k + 1 from the
+    i-th decode anchor equals the target's token."""
+    committed, anchor, count = 1, 0, 0  # the prefill step commits the first token
+    while committed < output_len:
+        accepted = accepted_prefix_length(matches[anchor])
+        committed += accepted + 1
+        anchor += accepted + 1
+        count += 1
+    return count
 
 
 def batch_row(concurrency: int, per_batch: list[list[int]], output_len: int) -> dict:

@@ -352,3 +352,24 @@ def test_streams_spread_over_client_processes_run_every_prompt_once(stub_server)
     assert len(results) == len(prompts)
     assert all(result["tokens"] == 6 for result in results)
     assert seconds > 0 and client_cpu > 0
+
+
+def test_batch_steps_walk_a_request_and_a_batch():
+    import numpy as np
+    from batch_steps import batch_row, request_steps
+
+    K, output_len = 7, 128
+    every = np.ones((output_len, K), dtype=bool)
+    none = np.zeros((output_len, K), dtype=bool)
+    assert request_steps(every, output_len) == -(-(output_len - 1) // (K + 1))  # 16
+    assert request_steps(none, output_len) == output_len - 1
+    half = none.copy()
+    half[:, :3] = True  # 4 tokens a step
+    assert request_steps(half, output_len) == -(-(output_len - 1) // 4)
+    row = batch_row(3, [[16, 127, 32], [16, 16, 16]], output_len)
+    assert row["batch_decode_steps"] == [127, 16]  # a batch lasts as its slowest request
+    assert row["proposals_per_batch"] == [175, 48]
+    assert row["occupancy_median_batch"][:16] == [3] * 16
+    assert row["occupancy_median_batch"][16:32] == [2] * 16
+    assert row["occupancy_median_batch"][32:] == [1] * 95
+    assert row["acceptance_length"] == round(127 * 6 / 223, 3)
