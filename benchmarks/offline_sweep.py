@@ -77,6 +77,14 @@ ARMS = {
         "dspark_varlen_verify": True,
         "dspark_plain_steps": True,
     },
+    # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
+    # lasts as long as its slowest request (benchmarks/batch_steps.py).
+    "sps-batch": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_plain_steps": True,
+        "dspark_gate_objective": "batch",
+    },
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
     # DFlash (no confidence head): fixed depth, and the acceptance-length controller.
     "dflash": {"method": "dflash"},

@@ -134,6 +134,15 @@ class DSparkOptions(BaseModel):
     decode steps (no drafts: nothing verified, no rejection sampling) instead of
     speculative steps that verify nothing."""
 
+    gate_objective: Literal["step", "batch"] = Field(
+        "step", json_schema_extra=_valid('"step" or "batch"')
+    )
+    """``capacity=sps``: what the draft gate maximises. ``step``: the tokens per second of
+    each step (the mean request's survivals), for servers whose batch refills. ``batch``:
+    how soon the running requests all finish (the survivals of the request that drafts
+    worst), for offline batches submitted at once, which last as long as their slowest
+    request (``benchmarks/batch_steps.py``)."""
+
     confidence_metrics: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Measure the confidence head's calibration (per-position ECE and AUROC) while
     serving, without changing what is verified."""
@@ -203,6 +212,7 @@ class DSparkOptions(BaseModel):
             "dynamic_depth": CONFIDENCE_MODES,
             "varlen_verify": (*CONFIDENCE_MODES, "acceptance"),
             "plain_steps": ("sps",),
+            "gate_objective": ("sps",),
         }
         for name, modes in needs.items():
             if name in self.model_fields_set and self.capacity not in modes:

@@ -8,6 +8,7 @@ from vllm_dspark.capacity.draft_gate import (
     PROBE_EVERY,
     DraftGate,
     draft_seconds_table,
+    worst_request_survival,
 )
 
 K, R_MAX = 7, 256
@@ -82,7 +83,7 @@ def test_a_closed_gate_probes_now_and_then_to_measure_survival_again():
     assert gate.decide(1, [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02], K)
 
 
-def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
+def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(
     engine_config, model_dirs
 ):
     from types import SimpleNamespace
@@ -126,6 +127,47 @@ def test_a_skipped_proposal_drafts_nothing_and_the_next_step_verifies_nothing(
     assert speculator.plan_proposal(1, K)  # one request drafts cheaply: worth it again
     speculator.drafted_last = False
     assert speculator.admission_budget(16) == 0
+
+
+def test_worst_request_survival_picks_the_fewest_expected_drafts():
+    survival = torch.tensor([[0.9, 0.5, -1.0], [0.6, 0.3, 0.1], [0.95, -1.0, -1.0]])
+    # Expected accepted drafts 1.4, 1.0, 0.95 (positions not computed count 0).
+    assert worst_request_survival(survival).tolist() == pytest.approx([0.95, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("objective,drafts", [("step", True), ("batch", False)])
+def test_a_batch_objective_weighs_the_request_that_drafts_worst(
+    engine_config, model_dirs, objective, drafts
+):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_dspark.config import DSparkOptions
+    from vllm_dspark.speculator import DSparkPluginSpeculator
+
+    config = engine_config(
+        {
+            "method": "dspark",
+            "model": model_dirs["dspark"],
+            "num_speculative_tokens": K,
+            "dspark_capacity": "sps",
+            "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
+            "dspark_varlen_verify": True,
+            "dspark_step_overhead_ms": 0.0,
+            "dspark_gate_objective": objective,
+        }
+    )
+    with set_current_vllm_config(config):
+        speculator = DSparkPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 2.0)]})
+    # 15 requests draft well, one accepts nothing: the mean request gains from drafting,
+    # the batch, which lasts as long as that one request, does not.
+    survival = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]).repeat(16, 1)
+    survival[5] = 0.0
+    for _ in range(3):
+        speculator.record_proposal(survival)
+    assert speculator.plan_proposal(16, K) == drafts
 
 
 def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():

@@ -127,7 +127,7 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
     importlib.import_module(compact_verification.RUNNER_MODULE)
     compact_verification.apply()  # as building a capacity speculator does in a worker
     curve = [[1, 100.0], [64, 90.0], [512, 30.0]]
-    arms = ["budget", "threshold", "sps-depth", "acceptance", "sps-plain", "sps"]
+    arms = ["budget", "threshold", "sps-depth", "acceptance", "sps-plain", "sps-batch", "sps"]
     start, switches = shared_engine_plan(arms, None)
     start["dspark_sps_curve"] = curve  # this CPU platform has no graphs to profile
     config = engine_config(
@@ -145,6 +145,7 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
             updates = updates | {"sps_curve": curve}
         options = speculator.switch_capacity(updates)
         assert options.capacity == arm.split("-")[0], arm
+        assert options.gate_objective == ("batch" if arm == "sps-batch" else "step"), arm
         assert (speculator.physical_depth is not None) == options.dynamic_depth, arm
         assert speculator.draft_depth == K  # every arm starts from full depth
         assert speculator.compacted_steps == 0

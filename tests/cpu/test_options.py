@@ -161,6 +161,24 @@ BAD_INPUTS = [
         ["dspark_confidence_threshold only applies with dspark_capacity=threshold", "'off'"],
     ),
     (
+        "gate objective not a choice",
+        "dspark",
+        {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_gate_objective": "tail"},
+        {},
+        ["dspark_gate_objective", '"step" or "batch"'],
+    ),
+    (
+        "gate objective without sps",
+        "dspark",
+        {
+            "dspark_capacity": "budget",
+            "dspark_varlen_verify": True,
+            "dspark_gate_objective": "batch",
+        },
+        {},
+        ["dspark_gate_objective only applies with dspark_capacity=sps", "'budget'"],
+    ),
+    (
         "varlen without capacity",
         "dspark",
         {"dspark_varlen_verify": True},

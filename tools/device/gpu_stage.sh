@@ -219,7 +219,7 @@ case "$stage" in
     # engine (no speculation) took 2 min at 2e9fa62: 1,200 s for the four.
     # Optional: arms ($3) and concurrencies ($4) instead of the full table.
     timeout 1200 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
-      --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain}" --shared-engine \
+      --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-batch}" --shared-engine \
       --concurrency "${4:-1,16,64,256}" --out "$OUT/$stage.json" 2>&1 | quiet | tee "$OUT/$stage.log" \
       | tail -30
     ;;

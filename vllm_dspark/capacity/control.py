@@ -31,7 +31,12 @@ from vllm_dspark.capacity.allocation import (
     sps_table_from_curve,
     threshold_count,
 )
-from vllm_dspark.capacity.draft_gate import DraftGate, SurvivalAverage, draft_seconds_table
+from vllm_dspark.capacity.draft_gate import (
+    DraftGate,
+    SurvivalAverage,
+    draft_seconds_table,
+    worst_request_survival,
+)
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
@@ -64,6 +69,7 @@ SWITCHABLE = frozenset(
         "dynamic_depth",
         "varlen_verify",
         "plain_steps",
+        "gate_objective",
     }
 )
 
@@ -217,7 +223,8 @@ class CapacityControl:
         if self.options.capacity != "sps" or self.sps_table_host is None or not tables:
             return
         self.draft_gate = DraftGate(self.sps_table_host, tables)
-        # Recent mean prefix survival per position, for the gate (optimistic at first).
+        # Recent prefix survival per position of the mean request, or (gate_objective=batch)
+        # of the request drafting worst, for the gate (optimistic at first).
         self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
         self.gate_survival = SurvivalAverage()
 
@@ -443,7 +450,10 @@ class CapacityControl:
             else:
                 wanted = threshold_count(survival, threshold)
         if self.draft_gate is not None:
-            self.stale_survival.record(sums, num_reqs)
+            if self.options.gate_objective == "batch":
+                self.stale_survival.record(worst_request_survival(survival), 1)
+            else:
+                self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
 

@@ -25,8 +25,15 @@ skipped proposals in a row it drafts one anyway, so that survivals which were lo
 closed (or the first steps' guesses) are measured again rather than kept for good. The
 survivals it weighs are an average over about the last ``SURVIVAL_MEMORY`` requests'
 proposals (:class:`SurvivalAverage`): the gate follows the load, and one proposal of a
-few requests is too noisy a reading of the workload's acceptance. Host
-arithmetic on values every rank reads alike: every tensor-parallel rank decides the same.
+few requests is too noisy a reading of the workload's acceptance. With
+``gate_objective=batch`` the survivals weighed are instead those of each proposal's
+request expecting the fewest accepted drafts (:func:`worst_request_survival`), averaged
+the same way: a batch submitted at once lasts as long as its slowest request, and drafting
+finishes it sooner only if that request gains more tokens per step than a speculative step
+costs over a plain one (on the embedded pair, 256 such requests take 122-127 decode steps
+with k=7, the 127 of no speculation: ``benchmarks/results/batch_steps_embedded.json``).
+Host arithmetic on values every rank reads alike: every tensor-parallel rank decides the
+same.
 """
 
 from __future__ import annotations
@@ -67,6 +74,14 @@ class SurvivalAverage:
                 weight = num_reqs / (num_reqs + SURVIVAL_MEMORY)
                 self.mean = [m + weight * (x - m) for m, x in zip(self.mean, latest, strict=True)]
         return stale.per_request() if self.mean is None else self.mean
+
+
+def worst_request_survival(survival: torch.Tensor) -> torch.Tensor:
+    """[K] the prefix survivals of the request expecting the fewest accepted drafts, of a
+    proposal's [R, K] (positions not computed count 0): what ``gate_objective=batch``
+    weighs. On the device, no host sync."""
+    clamped = survival.clamp(min=0.0)
+    return clamped[clamped.sum(dim=1).argmin()]
 
 
 def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> torch.Tensor:
