@@ -64,3 +64,48 @@ def engine_config(vllm_cpu, model_dirs, monkeypatch):
         return args.create_engine_config()
 
     return build
+
+
+@pytest.fixture
+def plugin_speculator(engine_config, model_dirs):
+    """Build vllm-dspark's DSpark speculator on CPU: ``num_drafts`` drafts, compact
+    verification, and the given further ``dspark_`` options."""
+
+    def build(num_drafts=7, **options):
+        from vllm.config import set_current_vllm_config
+
+        from vllm_dspark.config import DSparkOptions
+        from vllm_dspark.speculator import DSparkPluginSpeculator
+
+        config = engine_config(
+            {
+                "method": "dspark",
+                "model": model_dirs["dspark"],
+                "num_speculative_tokens": num_drafts,
+                "dspark_varlen_verify": True,
+                **options,
+            }
+        )
+        with set_current_vllm_config(config):
+            return DSparkPluginSpeculator(
+                config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+            )
+
+    return build
+
+
+@pytest.fixture
+def sps_speculator(plugin_speculator):
+    """:func:`plugin_speculator` in ``sps`` mode with a given SPS curve that falls past 16
+    tokens per step and no step overhead: the draft gate weighs from the first step."""
+
+    def build(num_drafts=7, **options):
+        return plugin_speculator(
+            num_drafts,
+            dspark_capacity="sps",
+            dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
+            dspark_step_overhead_ms=0.0,
+            **options,
+        )
+
+    return build

@@ -12,32 +12,9 @@ from triton_interpreter import interpreted, run_interpreted
 K = 7
 
 
-def build_speculator(engine_config, model_dirs, **options):
-    from vllm.config import set_current_vllm_config
-
-    from vllm_dspark.config import DSparkOptions
-    from vllm_dspark.speculator import DSparkPluginSpeculator
-
-    config = engine_config(
-        {
-            "method": "dspark",
-            "model": model_dirs["dspark"],
-            "num_speculative_tokens": K,
-            "dspark_varlen_verify": True,
-            **options,
-        }
-    )
-    with set_current_vllm_config(config):
-        return DSparkPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
-
-
 @pytest.fixture
-def speculator(engine_config, model_dirs):
-    return build_speculator(
-        engine_config, model_dirs, dspark_capacity="budget", dspark_budget_frac=0.25
-    )
+def speculator(plugin_speculator):
+    return plugin_speculator(dspark_capacity="budget", dspark_budget_frac=0.25)
 
 
 def uniform_batch(num_reqs, computed):
@@ -131,12 +108,10 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     assert _step_budget(runner, scheduler_output(padded, new_drafts, new=["new"])) is None
 
 
-def test_a_step_admitting_every_draft_runs_uncompacted(engine_config, model_dirs):
+def test_a_step_admitting_every_draft_runs_uncompacted(plugin_speculator):
     from vllm_dspark.patches.compact_verification import _step_budget
 
-    full = build_speculator(
-        engine_config, model_dirs, dspark_capacity="budget", dspark_budget_frac=1.0
-    )
+    full = plugin_speculator(dspark_capacity="budget", dspark_budget_frac=1.0)
     runner = SimpleNamespace(
         speculator=full,
         req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
@@ -177,10 +152,8 @@ def test_stale_record_reads_the_proposal_before_the_last():
         ),
     ],
 )
-def test_threshold_and_sps_budgets_follow_the_previous_proposal(
-    engine_config, model_dirs, options, wanted
-):
-    speculator = build_speculator(engine_config, model_dirs, **options)
+def test_threshold_and_sps_budgets_follow_the_previous_proposal(plugin_speculator, options, wanted):
+    speculator = plugin_speculator(**options)
     survival = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.01]).repeat(4, 1)
     # Before two proposals: the cap, R * K (budget_frac 1).
     assert speculator.admission_budget(4) == 4 * K
@@ -333,11 +306,11 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_
     assert budgets == [3 * K] * (EXPLORE_EVERY - 1) + [3 * (K // 2)]
 
 
-def test_acceptance_ranks_fed_alike_pick_alike(engine_config, model_dirs):
+def test_acceptance_ranks_fed_alike_pick_alike(plugin_speculator):
     """Tensor parallelism: two ranks given the same verification results (and the same
     curve) pick the same depth every step, while the depth moves."""
     options = {"dspark_capacity": "acceptance", "dspark_sps_curve": [[1, 190.0], [2048, 17.0]]}
-    ranks = [build_speculator(engine_config, model_dirs, **options) for _ in range(2)]
+    ranks = [plugin_speculator(**options) for _ in range(2)]
     gen, depths = torch.Generator().manual_seed(5), []
     for step in range(40):
         num_reqs = 1 + step % 5 * 60
@@ -350,12 +323,12 @@ def test_acceptance_ranks_fed_alike_pick_alike(engine_config, model_dirs):
     assert len(set(depths)) > 1
 
 
-def test_ranks_fed_alike_decide_alike(engine_config, model_dirs):
+def test_ranks_fed_alike_decide_alike(plugin_speculator):
     """Tensor parallelism: every rank must verify the same drafts. Two speculators (two
     ranks) given the same survivals and verification results pick bit-identical budgets
     and capacities, ties included."""
     options = {"dspark_capacity": "threshold", "dspark_confidence_threshold": 0.5}
-    ranks = [build_speculator(engine_config, model_dirs, **options) for _ in range(2)]
+    ranks = [plugin_speculator(**options) for _ in range(2)]
     gen = torch.Generator().manual_seed(4)
     slots = torch.tensor([3, 0, 7, 5])
     for step in range(6):
@@ -506,12 +479,12 @@ def test_no_compact_graphs_without_full_decode_graphs_fa3_or_with_data_paralleli
     assert not hasattr(manager, patch.COMPACT_GRAPHS_ATTR)
 
 
-def test_sps_auto_is_refused_where_no_full_decode_graph_will_be_captured(engine_config, model_dirs):
+def test_sps_auto_is_refused_where_no_full_decode_graph_will_be_captured(plugin_speculator):
     from vllm_dspark.config import DSparkOptionError
 
     # This CPU platform captures no CUDA graphs, as enforce_eager would on a GPU.
     with pytest.raises(DSparkOptionError, match="sps_curve='auto'.*Valid here: a curve"):
-        build_speculator(engine_config, model_dirs, dspark_capacity="sps")
+        plugin_speculator(dspark_capacity="sps")
 
 
 def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
@@ -571,9 +544,7 @@ def test_sps_profile_times_the_captured_uniform_decode_graphs_only():
     assert decode_graph_shapes(SimpleNamespace(cudagraph_manager=None)) == []
 
 
-def test_vllms_draft_token_counters_count_the_admitted_drafts(
-    speculator, engine_config, model_dirs
-):
+def test_vllms_draft_token_counters_count_the_admitted_drafts(plugin_speculator, speculator):
     """The worker reports K - k_r per request with the step's output; the scheduler folds
     it into vLLM's own statistics, which then count verified drafts per position."""
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -596,12 +567,12 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(
     output = sample(runner).get_output()
     assert output.dspark_not_admitted == {"a": 2, "b": 7, "c": 5}
     assert speculator.admission_fingerprint == fingerprint
-    other = build_speculator(engine_config, model_dirs, dspark_capacity="budget")
+    other = plugin_speculator(dspark_capacity="budget")
     other.fold_fingerprint(torch.tensor([5, 0, 2]))
     assert other.admission_fingerprint == fingerprint
     other.fold_fingerprint(torch.tensor([5, 0, 2]))
     assert other.admission_fingerprint != fingerprint
-    swapped = build_speculator(engine_config, model_dirs, dspark_capacity="budget")
+    swapped = plugin_speculator(dspark_capacity="budget")
     swapped.fold_fingerprint(torch.tensor([0, 5, 2]))  # same counts, other requests
     assert swapped.admission_fingerprint != fingerprint
     assert sample(runner).get_output() is not None  # the next step had no compaction

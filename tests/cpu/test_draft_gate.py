@@ -83,33 +83,12 @@ def test_a_closed_gate_probes_now_and_then_to_measure_survival_again():
     assert gate.decide(1, [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02], K)
 
 
-def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(
-    engine_config, model_dirs
-):
+def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(sps_speculator):
     from types import SimpleNamespace
 
-    from vllm.config import set_current_vllm_config
-
-    from vllm_dspark.config import DSparkOptions
     from vllm_dspark.metrics import _worker_gate_inputs
-    from vllm_dspark.speculator import DSparkPluginSpeculator
 
-    curve = [[1, 100.0], [16, 99.0], [128, 20.0]]
-    config = engine_config(
-        {
-            "method": "dspark",
-            "model": model_dirs["dspark"],
-            "num_speculative_tokens": K,
-            "dspark_capacity": "sps",
-            "dspark_sps_curve": curve,
-            "dspark_varlen_verify": True,
-            "dspark_step_overhead_ms": 0.0,  # known: the gate weighs from the first step
-        }
-    )
-    with set_current_vllm_config(config):
-        speculator = DSparkPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
+    speculator = sps_speculator()
     assert speculator.plan_proposal(16, K)  # no profiled draft cost: always draft
     speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
     assert speculator.plan_proposal(16, K)  # survivals not seen yet: optimistic
@@ -136,30 +115,8 @@ def test_worst_request_survival_picks_the_fewest_expected_drafts():
 
 
 @pytest.mark.parametrize("objective,drafts", [("step", True), ("batch", False)])
-def test_a_batch_objective_weighs_the_request_that_drafts_worst(
-    engine_config, model_dirs, objective, drafts
-):
-    from vllm.config import set_current_vllm_config
-
-    from vllm_dspark.config import DSparkOptions
-    from vllm_dspark.speculator import DSparkPluginSpeculator
-
-    config = engine_config(
-        {
-            "method": "dspark",
-            "model": model_dirs["dspark"],
-            "num_speculative_tokens": K,
-            "dspark_capacity": "sps",
-            "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
-            "dspark_varlen_verify": True,
-            "dspark_step_overhead_ms": 0.0,
-            "dspark_gate_objective": objective,
-        }
-    )
-    with set_current_vllm_config(config):
-        speculator = DSparkPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
+def test_a_batch_objective_weighs_the_request_that_drafts_worst(sps_speculator, objective, drafts):
+    speculator = sps_speculator(dspark_gate_objective=objective)
     speculator.set_draft_cost({K: [(1, 0.1), (16, 2.0)]})
     # 15 requests draft well, one accepts nothing: the mean request gains from drafting,
     # the batch, which lasts as long as that one request, does not.
@@ -207,15 +164,12 @@ def test_the_gate_weighs_survivals_averaged_over_recent_requests():
     assert average.update(stale, 256) == pytest.approx(expected)
 
 
-def test_a_short_doubtful_passage_at_one_request_does_not_close_the_gate(engine_config, model_dirs):
+def test_a_short_doubtful_passage_at_one_request_does_not_close_the_gate(plugin_speculator):
     from test_compact_verification import K as NUM_DRAFTS
-    from test_compact_verification import build_speculator
 
     # A flat 1 ms forward, 2 ms outside it, 0.5 ms per proposal: at one request drafting
     # pays when the mean survivals sum to more than about 0.2.
-    speculator = build_speculator(
-        engine_config,
-        model_dirs,
+    speculator = plugin_speculator(
         dspark_capacity="sps",
         dspark_sps_curve=[[1, 1000.0], [64, 1000.0]],
         dspark_step_overhead_ms=2.0,

@@ -73,27 +73,11 @@ def test_a_shallow_proposal_drafts_the_same_leading_tokens_and_admits_nothing_be
 
 @pytest.mark.parametrize("frac,expected", [(1.0, 3 * 2), (0.2, 5)])
 def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
-    engine_config, model_dirs, frac, expected
+    plugin_speculator, frac, expected
 ):
-    from vllm.config import set_current_vllm_config
-
-    from vllm_dspark.config import DSparkOptions
-
-    config = engine_config(
-        {
-            "method": "dspark",
-            "model": model_dirs["dspark"],
-            "num_speculative_tokens": K,
-            "dspark_capacity": "budget",
-            "dspark_budget_frac": frac,
-            "dspark_varlen_verify": True,
-            "dspark_dynamic_depth": True,
-        }
+    speculator = plugin_speculator(
+        K, dspark_capacity="budget", dspark_budget_frac=frac, dspark_dynamic_depth=True
     )
-    with set_current_vllm_config(config):
-        speculator = DSparkPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
     assert speculator.physical_depth is not None
     assert speculator.admission_budget(3) == min(3 * K, -(-3 * K * frac // 1))
     speculator.draft_depth = 2
@@ -113,15 +97,12 @@ def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
     assert speculator.physical_depth.depth == 2
 
 
-def test_a_running_engine_switches_between_the_arms_it_was_started_for(
-    engine_config, model_dirs, tmp_path
-):
+def test_a_running_engine_switches_between_the_arms_it_was_started_for(plugin_speculator):
     import importlib
 
     from offline_sweep import shared_engine_plan  # benchmarks/ is on the path
-    from vllm.config import set_current_vllm_config
 
-    from vllm_dspark.config import DSparkOptionError, DSparkOptions
+    from vllm_dspark.config import DSparkOptionError
     from vllm_dspark.patches import compact_verification
 
     importlib.import_module(compact_verification.RUNNER_MODULE)
@@ -130,13 +111,7 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(
     arms = ["budget", "threshold", "sps-depth", "acceptance", "sps-plain", "sps-batch", "sps"]
     start, switches = shared_engine_plan(arms, None)
     start["dspark_sps_curve"] = curve  # this CPU platform has no graphs to profile
-    config = engine_config(
-        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K, **start}
-    )
-    with set_current_vllm_config(config):
-        speculator = DSparkPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
+    speculator = plugin_speculator(K, **start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
     speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
     speculator.draft_depth = 3

@@ -111,44 +111,22 @@ def test_a_closed_gate_makes_the_scheduler_schedule_plain_steps_until_it_reopens
     ]
 
 
-def gate_speculator(engine_config, model_dirs, **options):
+def gate_speculator(sps_speculator, **options):
     """An sps speculator whose draft gate closes at 16 requests (drafting costs 12 ms,
     survivals of 0.05), as in test_draft_gate.py."""
-    from vllm.config import set_current_vllm_config
-
-    from vllm_dspark.config import DSparkOptions
-    from vllm_dspark.speculator import DSparkPluginSpeculator
-
-    config = engine_config(
-        {
-            "method": "dspark",
-            "model": model_dirs["dspark"],
-            "num_speculative_tokens": K,
-            "dspark_capacity": "sps",
-            "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
-            "dspark_varlen_verify": True,
-            "dspark_step_overhead_ms": 0.0,
-            **options,
-        }
-    )
-    with set_current_vllm_config(config):
-        speculator = DSparkPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
+    speculator = sps_speculator(num_drafts=K, **options)
     speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})
     for _ in range(2):
         speculator.record_proposal(torch.full((16, K), 0.05))
     return speculator
 
 
-def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(
-    engine_config, model_dirs
-):
+def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(sps_speculator):
     import importlib
 
     from vllm_dspark.patches import compact_verification
 
-    speculator = gate_speculator(engine_config, model_dirs, dspark_plain_steps=True)
+    speculator = gate_speculator(sps_speculator, dspark_plain_steps=True)
     assert speculator.take_gate_report() == K  # at start-up: schedule drafts (stock)
     assert speculator.take_gate_report() is None  # once
     speculator.next_step_drafts = K
@@ -208,10 +186,10 @@ def test_plain_steps_need_sps_and_no_dynamic_sd_table(engine_config, model_dirs)
         )
 
 
-def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(engine_config, model_dirs):
+def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(sps_speculator):
     from vllm_dspark.patches.compact_verification import _make_execute_wrapper
 
-    speculator = gate_speculator(engine_config, model_dirs, dspark_plain_steps=True)
+    speculator = gate_speculator(sps_speculator, dspark_plain_steps=True)
     seen = []
     execute = _make_execute_wrapper(
         lambda runner, *a, **kw: seen.append(speculator.next_step_drafts)
@@ -288,12 +266,12 @@ def test_the_drafter_lists_its_graphs_without_the_plain_steps_table(engine_confi
 
 
 def test_the_speculator_builds_its_draft_graph_managers_without_the_table(
-    engine_config, model_dirs, monkeypatch
+    sps_speculator, monkeypatch
 ):
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    speculator = gate_speculator(engine_config, model_dirs, dspark_plain_steps=True)
+    speculator = gate_speculator(sps_speculator, dspark_plain_steps=True)
     seen = []
 
     def record(self, cudagraph_mode):

@@ -65,18 +65,16 @@ def test_interpreted_kernel_without_an_sps_table_counts_the_threshold():
     assert stats.threshold_count.item() == threshold_count(survival, 0.4)
 
 
-def check_records(engine_config, model_dirs, mode: str) -> None:
+def check_records(plugin_speculator, mode: str) -> None:
     """What a proposal records for the steps after it: the budget's wanted count and the
     draft gate's per-position survival, read back one proposal later."""
-    from test_compact_verification import build_speculator
-
     options = {"dspark_capacity": mode}
     if mode == "sps":
         options |= {"dspark_sps_curve": [[1, 250.0], [64, 200.0], [200, 90.0]]}
         options["dspark_step_overhead_ms"] = 1.0
     else:
         options["dspark_confidence_threshold"] = 0.4
-    speculator = build_speculator(engine_config, model_dirs, **options)
+    speculator = plugin_speculator(**options)
     num_reqs = 16
     if mode == "sps":
         speculator.set_draft_cost({K: [(1, 0.5), (64, 2.0)]})
@@ -94,11 +92,11 @@ def check_records(engine_config, model_dirs, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sps", "threshold"])
-def test_a_proposal_records_its_budget_and_survivals(engine_config, model_dirs, mode):
-    check_records(engine_config, model_dirs, mode)
+def test_a_proposal_records_its_budget_and_survivals(plugin_speculator, mode):
+    check_records(plugin_speculator, mode)
 
 
 @interpreted
 @pytest.mark.parametrize("mode", ["sps", "threshold"])
-def test_interpreted_kernel_path_records_the_same(engine_config, model_dirs, mode):
-    check_records(engine_config, model_dirs, mode)
+def test_interpreted_kernel_path_records_the_same(plugin_speculator, mode):
+    check_records(plugin_speculator, mode)

@@ -203,23 +203,19 @@ def test_per_draft_time_limits_what_sps_admits():
     assert capped == 4
 
 
-def test_sps_varies_its_admission_now_and_then(engine_config, model_dirs):
-    from test_compact_verification import K, build_speculator
+def test_sps_varies_its_admission_now_and_then(plugin_speculator):
+    from test_compact_verification import K
 
     from vllm_dspark.capacity.control import EXPLORE_EVERY
 
     curve = [[1, 200.0], [512, 50.0]]
-    measuring = build_speculator(
-        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve
-    )
+    measuring = plugin_speculator(dspark_capacity="sps", dspark_sps_curve=curve)
     budgets = [measuring.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)]
     half = [i for i, budget in enumerate(budgets) if budget != 16 * K]
     assert half == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
     assert budgets[EXPLORE_EVERY - 1] == 16 * K // 2
     # With the overhead given, nothing is measured and nothing varied.
-    given = build_speculator(
-        engine_config,
-        model_dirs,
+    given = plugin_speculator(
         dspark_capacity="sps",
         dspark_sps_curve=curve,
         dspark_step_overhead_ms=1.5,
@@ -228,14 +224,12 @@ def test_sps_varies_its_admission_now_and_then(engine_config, model_dirs):
     assert given.step_overhead.seconds == 0.0015
 
 
-def simulated_sps(engine_config, model_dirs, curve, draft_s, **options):
+def simulated_sps(plugin_speculator, curve, draft_s, **options):
     """A speculator in ``sps`` mode on ``curve`` whose proposals cost ``draft_s``, with a
     fake clock the test advances by each simulated step's period."""
-    from test_compact_verification import K, build_speculator
+    from test_compact_verification import K
 
-    speculator = build_speculator(
-        engine_config, model_dirs, dspark_capacity="sps", dspark_sps_curve=curve, **options
-    )
+    speculator = plugin_speculator(dspark_capacity="sps", dspark_sps_curve=curve, **options)
     speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
     clock = FakeClock()
     speculator.step_overhead._clock = clock
@@ -262,7 +256,7 @@ def run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period):
     return budgets, decisions
 
 
-def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_config, model_dirs):
+def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_speculator):
     """The real control path on a simulated host-bound engine whose step takes, with n
     drafts verified for R requests, F(R + n) (the curve: a small, fast target) + D
     (drafting) + 2.5 ms + 5 us per draft: sps must learn O and b and settle on the
@@ -271,7 +265,7 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_co
 
     num_reqs, fixed_s, per_draft_s, draft_s = 32, 2.5e-3, 5e-6, 3e-4
     curve = [[1, 8000.0], [64, 6000.0], [256, 2000.0]]
-    speculator, clock = simulated_sps(engine_config, model_dirs, curve, draft_s)
+    speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
     # Calibrated survivals, requests from doubtful to confident.
     confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
     survival = torch.cumprod(confidence, dim=1)
@@ -308,7 +302,7 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(engine_co
     )
 
 
-def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(engine_config, model_dirs):
+def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(plugin_speculator):
     """A tiny host-bound engine (the embedded pair at one request): a replayed proposal
     takes 0.3 ms, but a step after a skipped one costs 1.5 ms more than the bare step. On
     O alone the gate closes (drafting's expected tokens look too few for its cost); once
@@ -317,7 +311,7 @@ def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(engine_conf
 
     num_reqs, fixed_s, draft_s, skip_s = 1, 2.5e-3, 3e-4, 1.5e-3
     curve = [[1, 4000.0], [8, 3900.0], [256, 2000.0]]
-    speculator, clock = simulated_sps(engine_config, model_dirs, curve, draft_s)
+    speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
     # Rarely surviving drafts: with skipping free, one request gains too little from them.
     survival = torch.cumprod(torch.full((num_reqs, K), 0.05), dim=1)
     table = speculator.sps_table_host
@@ -390,7 +384,7 @@ def run_plain_closed_loop(speculator, clock, num_reqs, survival, num_steps, peri
     ids=["drain-of-doubtful-requests", "one-confident-request"],
 )
 def test_plain_steps_run_where_they_are_faster_in_closed_loop(
-    engine_config, model_dirs, num_reqs, confidence, mostly_plain
+    plugin_speculator, num_reqs, confidence, mostly_plain
 ):
     """A host-bound engine (the embedded pair, 13fb6b1): a speculative step spends 2.4 ms
     outside its forward and a skipped proposal 0.2 ms more, a plain step 1.1 ms. For a few
@@ -403,9 +397,7 @@ def test_plain_steps_run_where_they_are_faster_in_closed_loop(
 
     fixed_s, draft_s, skip_s, plain_rest_s = 2.4e-3, 2.5e-4, 2e-4, 1.1e-3
     curve = [[1, 2000.0], [64, 2000.0], [256, 1900.0]]
-    speculator, clock = simulated_sps(
-        engine_config, model_dirs, curve, draft_s, dspark_plain_steps=True
-    )
+    speculator, clock = simulated_sps(plugin_speculator, curve, draft_s, dspark_plain_steps=True)
     survival = torch.cumprod(torch.full((num_reqs, K), confidence), dim=1)
     table = speculator.sps_table_host
 
