@@ -199,7 +199,8 @@ def _worker_gate_inputs(worker) -> dict:
 
 def gate_inputs(llm) -> dict:
     """What ``sps``'s draft gate weighs now, on the first rank: whether it is open, the
-    recent mean prefix survival per position, the profiled SPS curve [T, steps/s] and
+    recent prefix survival per position it weighs (``mean_survival``: the mean request's,
+    or with ``gate_objective=batch`` the worst request's), the profiled SPS curve [T, steps/s] and
     proposal times {depth: [R, ms]} (empty when no gate runs). Needs
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts."""
     return llm.collective_rpc(_worker_gate_inputs)[0]
