@@ -6,8 +6,11 @@ request's decode steps follow from its drafts alone (``vllm_dspark.tiny_pair.eva
 after the prefill step (one token), a step from anchor p accepts the a leading drafts that
 match and commits a + 1 tokens. With every request submitted at once, as in
 ``offline_sweep.py``, a batch lasts as many steps as its slowest request needs; this
-counts them, against the 128 - 1 decode steps every request takes without speculation, and
-the step occupancy (requests still decoding) along the way.
+counts them, against the 128 - 1 decode steps every request takes without speculation, the
+step occupancy (requests still decoding) along the way, and per step the drafts the mean
+and the worst still-decoding request expect accepted (the sum of their prefix survivals,
+from the checkpoint's confidence head and temperatures): what the draft gate weighs with
+``dspark_gate_objective`` ``step`` and ``batch``.
 
     python benchmarks/batch_steps.py --out benchmarks/results/batch_steps_embedded.json
 """
@@ -46,15 +49,17 @@ def sweep_batches(concurrency: int, repeats: int, min_requests: int) -> list[lis
 
 
 @torch.no_grad()
-def decode_steps(target, drafter, prompts: list[list[int]], output_len: int, batch: int):
-    """Per request: the decode steps (after prefill) to commit ``output_len`` tokens."""
+def decode_steps(target, drafter, temperatures, prompts: list[list[int]], output_len, batch):
+    """Per request, per decode step (after prefill) until ``output_len`` tokens: the drafts
+    the step's proposal expects accepted, the sum of its calibrated prefix survivals."""
     num_drafts = drafter.config.block_size
     shared = SharedTargetWeights(target.model.embed_tokens.weight, target.lm_head.weight)
+    scale = torch.tensor(temperatures or [1.0] * num_drafts)
     prompt_len = len(prompts[0])
     # Anchors prompt_len .. prompt_len + output_len - 2, each judged on K tokens after it.
     anchors = torch.arange(prompt_len, prompt_len + output_len - 1)
     offsets = torch.arange(1, num_drafts + 1)
-    steps = []
+    requests = []
     for start in range(0, len(prompts), batch):
         chunk = torch.tensor(prompts[start : start + batch])
         seqs = generate_continuations(target, chunk, output_len + num_drafts, greedy=True)
@@ -63,42 +68,60 @@ def decode_steps(target, drafter, prompts: list[list[int]], output_len: int, bat
             features.aux_hidden, anchors.expand(len(seqs), -1), seqs[:, anchors], shared
         )
         matches = (proposal.tokens == seqs[:, anchors[:, None] + offsets]).numpy()
-        steps += [request_steps(row, output_len) for row in matches]
-    return steps
+        survival = torch.sigmoid(proposal.confidence_logits.float() / scale).cumprod(dim=-1)
+        expected = survival.sum(dim=-1).numpy()  # [b, anchors]
+        for row, expected_row in zip(matches, expected, strict=True):
+            requests.append([float(expected_row[a]) for a in request_anchors(row, output_len)])
+    return requests
 
 
-def request_steps(matches: np.ndarray, output_len: int) -> int:
-    """Decode steps of one request: ``matches[i, k]`` says whether draft k + 1 from the
-    i-th decode anchor equals the target's token."""
-    committed, anchor, count = 1, 0, 0  # the prefill step commits the first token
+def request_anchors(matches: np.ndarray, output_len: int) -> list[int]:
+    """The decode anchors one request visits, one per decode step: ``matches[i, k]`` says
+    whether draft k + 1 from the i-th anchor equals the target's token."""
+    committed, anchor, visited = 1, 0, []  # the prefill step commits the first token
     while committed < output_len:
+        visited.append(anchor)
         accepted = accepted_prefix_length(matches[anchor])
         committed += accepted + 1
         anchor += accepted + 1
-        count += 1
-    return count
+    return visited
 
 
-def batch_row(concurrency: int, per_batch: list[list[int]], output_len: int) -> dict:
-    longest = [max(steps) for steps in per_batch]
-    mean = [float(np.mean(steps)) for steps in per_batch]
+def batch_row(concurrency: int, per_batch: list[list[list[float]]], output_len: int) -> dict:
+    """``per_batch``: per batch, per request, its steps' expected accepted drafts."""
+    steps = [[len(request) for request in requests] for requests in per_batch]
+    longest = [max(counts) for counts in steps]
+    # Per step of each batch, over the requests still decoding: what the draft gate weighs
+    # with gate_objective=step (the mean request) and =batch (the request drafting worst).
+    # Over every step, and over the steps with at least half the batch still decoding.
+    weighed = {"all_steps": ([], []), "half_full_steps": ([], [])}
+    for requests in per_batch:
+        for step in range(max(len(request) for request in requests)):
+            active = [request[step] for request in requests if len(request) > step]
+            phases = ["all_steps"] + (["half_full_steps"] if 2 * len(active) >= concurrency else [])
+            for phase in phases:
+                weighed[phase][0].append(float(np.mean(active)))
+                weighed[phase][1].append(min(active))
     # Requests still decoding at each step of the median-length batch.
-    median_batch = per_batch[int(np.argsort(longest)[len(longest) // 2])]
+    median_batch = steps[int(np.argsort(longest)[len(longest) // 2])]
     occupancy = [sum(s > step for s in median_batch) for step in range(max(median_batch))]
+    total = sum(sum(counts) for counts in steps)
     return {
         "concurrency": concurrency,
         "batches": len(per_batch),
         "decode_steps_nospec": output_len - 1,
         "batch_decode_steps": longest,
-        "mean_request_decode_steps": [round(m, 2) for m in mean],
-        "proposals_per_batch": [sum(steps) for steps in per_batch],
-        "acceptance_length": round(
-            (output_len - 1)
-            * len(per_batch)
-            * concurrency
-            / sum(sum(steps) for steps in per_batch),
-            3,
-        ),
+        "mean_request_decode_steps": [round(float(np.mean(counts)), 2) for counts in steps],
+        "proposals_per_batch": [sum(counts) for counts in steps],
+        "acceptance_length": round((output_len - 1) * len(per_batch) * concurrency / total, 3),
+        # Median over steps of the expected accepted drafts the gate would weigh.
+        "expected_drafts_median_step": {
+            phase: {
+                "mean_request": round(float(np.median(mean)), 3),
+                "worst_request": round(float(np.median(worst)), 3),
+            }
+            for phase, (mean, worst) in weighed.items()
+        },
         "occupancy_median_batch": occupancy,
     }
 
@@ -113,11 +136,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
-    target, drafter, _ = load_reference_pair(EMBEDDED_PAIR)
+    target, drafter, temperatures = load_reference_pair(EMBEDDED_PAIR)
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         per_batch = [
-            decode_steps(target, drafter, prompts, args.output_len, args.batch)
+            decode_steps(target, drafter, temperatures, prompts, args.output_len, args.batch)
             for prompts in sweep_batches(concurrency, args.repeats, args.min_requests)
         ]
         rows.append(batch_row(concurrency, per_batch, args.output_len))

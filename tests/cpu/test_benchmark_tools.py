@@ -356,20 +356,28 @@ def test_streams_spread_over_client_processes_run_every_prompt_once(stub_server)
 
 def test_batch_steps_walk_a_request_and_a_batch():
     import numpy as np
-    from batch_steps import batch_row, request_steps
+    from batch_steps import batch_row, request_anchors
 
     K, output_len = 7, 128
     every = np.ones((output_len, K), dtype=bool)
     none = np.zeros((output_len, K), dtype=bool)
-    assert request_steps(every, output_len) == -(-(output_len - 1) // (K + 1))  # 16
-    assert request_steps(none, output_len) == output_len - 1
+    assert request_anchors(every, output_len) == list(range(0, 127, K + 1))  # 16 steps
+    assert request_anchors(none, output_len) == list(range(output_len - 1))
     half = none.copy()
     half[:, :3] = True  # 4 tokens a step
-    assert request_steps(half, output_len) == -(-(output_len - 1) // 4)
-    row = batch_row(3, [[16, 127, 32], [16, 16, 16]], output_len)
+    assert len(request_anchors(half, output_len)) == -(-(output_len - 1) // 4)
+    # Two batches of three requests: per request, its steps' expected drafts.
+    first = [[3.0] * 16, [0.5] * 127, [2.0] * 32]
+    row = batch_row(3, [first, [[3.0] * 16] * 3], output_len)
     assert row["batch_decode_steps"] == [127, 16]  # a batch lasts as its slowest request
     assert row["proposals_per_batch"] == [175, 48]
     assert row["occupancy_median_batch"][:16] == [3] * 16
     assert row["occupancy_median_batch"][16:32] == [2] * 16
     assert row["occupancy_median_batch"][32:] == [1] * 95
     assert row["acceptance_length"] == round(127 * 6 / 223, 3)
+    # 143 steps in all: the second batch's 16 (mean 3, worst 3), the first's 16 (mean 11/6,
+    # worst 0.5), 16 (mean 1.25, worst 0.5, 2 of 3 decoding) and 95 (0.5, alone).
+    assert row["expected_drafts_median_step"] == {
+        "all_steps": {"mean_request": 0.5, "worst_request": 0.5},
+        "half_full_steps": {"mean_request": round(11 / 6, 3), "worst_request": 0.5},
+    }
