@@ -93,15 +93,19 @@ def batch_row(concurrency: int, per_batch: list[list[list[float]]], output_len: 
     longest = [max(counts) for counts in steps]
     # Per step of each batch, over the requests still decoding: what the draft gate weighs
     # with gate_objective=step (the mean request) and =batch (the request drafting worst).
-    # Over every step, and over the steps with at least half the batch still decoding.
-    weighed = {"all_steps": ([], []), "half_full_steps": ([], [])}
+    # Over every step, and over the steps with at least half the batch still decoding: the
+    # mean request's, the worst request's, and the lowest of the requests' means so far.
+    weighed = {"all_steps": ([], [], []), "half_full_steps": ([], [], [])}
     for requests in per_batch:
+        so_far = [np.cumsum(r) / np.arange(1, len(r) + 1) for r in requests]
         for step in range(max(len(request) for request in requests)):
-            active = [request[step] for request in requests if len(request) > step]
+            active = [i for i, request in enumerate(requests) if len(request) > step]
+            now = [requests[i][step] for i in active]
             phases = ["all_steps"] + (["half_full_steps"] if 2 * len(active) >= concurrency else [])
             for phase in phases:
-                weighed[phase][0].append(float(np.mean(active)))
-                weighed[phase][1].append(min(active))
+                weighed[phase][0].append(float(np.mean(now)))
+                weighed[phase][1].append(min(now))
+                weighed[phase][2].append(float(min(so_far[i][step] for i in active)))
     # Requests still decoding at each step of the median-length batch.
     median_batch = steps[int(np.argsort(longest)[len(longest) // 2])]
     occupancy = [sum(s > step for s in median_batch) for step in range(max(median_batch))]
@@ -111,6 +115,10 @@ def batch_row(concurrency: int, per_batch: list[list[list[float]]], output_len: 
         "batches": len(per_batch),
         "decode_steps_nospec": output_len - 1,
         "batch_decode_steps": longest,
+        # The slowest request's accepted drafts per step, realised over its life.
+        "slowest_request_drafts_per_step": [
+            round((output_len - 1) / most - 1, 3) for most in longest
+        ],
         "mean_request_decode_steps": [round(float(np.mean(counts)), 2) for counts in steps],
         "proposals_per_batch": [sum(counts) for counts in steps],
         "acceptance_length": round((output_len - 1) * len(per_batch) * concurrency / total, 3),
@@ -119,8 +127,9 @@ def batch_row(concurrency: int, per_batch: list[list[list[float]]], output_len: 
             phase: {
                 "mean_request": round(float(np.median(mean)), 3),
                 "worst_request": round(float(np.median(worst)), 3),
+                "worst_request_mean_so_far": round(float(np.median(worst_so_far)), 3),
             }
-            for phase, (mean, worst) in weighed.items()
+            for phase, (mean, worst, worst_so_far) in weighed.items()
         },
         "occupancy_median_batch": occupancy,
     }

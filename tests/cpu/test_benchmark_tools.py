@@ -377,7 +377,16 @@ def test_batch_steps_walk_a_request_and_a_batch():
     assert row["acceptance_length"] == round(127 * 6 / 223, 3)
     # 143 steps in all: the second batch's 16 (mean 3, worst 3), the first's 16 (mean 11/6,
     # worst 0.5), 16 (mean 1.25, worst 0.5, 2 of 3 decoding) and 95 (0.5, alone).
+    # Each request's expectation is constant here, so its mean so far is the same.
     assert row["expected_drafts_median_step"] == {
-        "all_steps": {"mean_request": 0.5, "worst_request": 0.5},
-        "half_full_steps": {"mean_request": round(11 / 6, 3), "worst_request": 0.5},
+        "all_steps": {"mean_request": 0.5, "worst_request": 0.5, "worst_request_mean_so_far": 0.5},
+        "half_full_steps": {
+            "mean_request": round(11 / 6, 3),
+            "worst_request": 0.5,
+            "worst_request_mean_so_far": 0.5,
+        },
     }
+    assert row["slowest_request_drafts_per_step"] == [0.0, round(127 / 16 - 1, 3)]
+    # A request whose drafting improves: its mean so far trails its latest expectation.
+    rising = batch_row(1, [[[0.0, 1.0, 2.0]]], 4)["expected_drafts_median_step"]["all_steps"]
+    assert rising == {"mean_request": 1.0, "worst_request": 1.0, "worst_request_mean_so_far": 0.5}
