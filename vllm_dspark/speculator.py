@@ -163,6 +163,8 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
             if self.physical_depth is not None:
                 self._use_depth(self.physical_depth.depth)
             drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
+            if drafting and self.slowest_request is not None:
+                self.slowest_request.start(input_batch.req_ids, input_batch.idx_mapping_np)
         drafts = super().propose(*args, **kwargs) if drafting else self._propose_skipped(call)
         if real_step:
             self.drafted_last = drafting
@@ -171,7 +173,7 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
             self.slot_survival[slots] = survival
             self.slot_confidence_logits[slots] = self.confidence_logits[: input_batch.num_reqs]
             if drafting:
-                self.record_proposal(survival)
+                self.record_proposal(survival, slots)
         return drafts
 
     def _propose_skipped(self, call: dict) -> torch.Tensor:

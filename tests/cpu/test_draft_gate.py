@@ -7,8 +7,8 @@ from vllm_dspark.capacity.draft_gate import (
     HYSTERESIS,
     PROBE_EVERY,
     DraftGate,
+    SlowestRequest,
     draft_seconds_table,
-    worst_request_survival,
 )
 
 K, R_MAX = 7, 256
@@ -108,10 +108,25 @@ def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(s
     assert speculator.admission_budget(16) == 0
 
 
-def test_worst_request_survival_picks_the_fewest_expected_drafts():
-    survival = torch.tensor([[0.9, 0.5, -1.0], [0.6, 0.3, 0.1], [0.95, -1.0, -1.0]])
-    # Expected accepted drafts 1.4, 1.0, 0.95 (positions not computed count 0).
-    assert worst_request_survival(survival).tolist() == pytest.approx([0.95, 0.0, 0.0])
+def test_the_slowest_request_is_read_from_its_mean_so_far():
+    slowest = SlowestRequest(8, 3, torch.device("cpu"))
+    slots = torch.tensor([5, 0, 2], dtype=torch.int32)
+    slowest.start(["a", "b", "c"], slots.numpy())
+    # Expected accepted drafts 2.7, 1.0, 0.95 (positions not computed count 0).
+    first = torch.tensor([[0.9, 0.9, 0.9], [0.6, 0.3, 0.1], [0.95, -1.0, -1.0]])
+    assert slowest.reading(slots, first).tolist() == pytest.approx([0.95, 0.0, 0.0])
+    slowest.start(["a", "b", "c"], slots.numpy())  # the same requests: nothing restarts
+    # Now a drafts worst (0.2), but over their proposals so far b does (1.0 against a's
+    # 1.45 and c's 1.675): b is the request the batch waits for.
+    second = torch.tensor([[0.2, 0.0, 0.0], [0.6, 0.3, 0.1], [0.9, 0.8, 0.7]])
+    assert slowest.reading(slots, second).tolist() == pytest.approx([0.6, 0.3, 0.1])
+    # A new request takes b's slot: its mean starts afresh.
+    slowest.start(["a", "d", "c"], slots.numpy())
+    third = torch.tensor([[0.2, 0.0, 0.0], [0.9, 0.9, 0.9], [0.9, 0.8, 0.7]])
+    reading = slowest.reading(slots, third).tolist()
+    assert reading == pytest.approx([1.3 / 3, 0.3, 0.3])  # a's mean over its three
+    assert slowest.counts[[5, 0, 2]].tolist() == [3, 1, 3]
+    assert slowest.sums[0].tolist() == pytest.approx([0.9, 0.9, 0.9])  # d's alone
 
 
 @pytest.mark.parametrize("objective,drafts", [("step", True), ("batch", False)])
@@ -122,8 +137,11 @@ def test_a_batch_objective_weighs_the_request_that_drafts_worst(sps_speculator, 
     # the batch, which lasts as long as that one request, does not.
     survival = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]).repeat(16, 1)
     survival[5] = 0.0
+    slots, req_ids = torch.arange(16, dtype=torch.int32), [f"r{i}" for i in range(16)]
     for _ in range(3):
-        speculator.record_proposal(survival)
+        if speculator.slowest_request is not None:
+            speculator.slowest_request.start(req_ids, slots.numpy())
+        speculator.record_proposal(survival, slots)
     assert speculator.plan_proposal(16, K) == drafts
 
 

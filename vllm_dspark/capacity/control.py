@@ -33,9 +33,9 @@ from vllm_dspark.capacity.allocation import (
 )
 from vllm_dspark.capacity.draft_gate import (
     DraftGate,
+    SlowestRequest,
     SurvivalAverage,
     draft_seconds_table,
-    worst_request_survival,
 )
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe
@@ -132,6 +132,7 @@ class CapacityControl:
         # did: the step verifying a skipped proposal verifies nothing.
         self.profiled_draft_ms = getattr(self, "profiled_draft_ms", None)
         self.draft_gate = None
+        self.slowest_request: SlowestRequest | None = None  # gate_objective=batch
         self.drafted_last = True
         self.proposals_skipped = 0
         # plain_steps: the drafts the scheduler gave the next step (the compaction wrapper
@@ -227,6 +228,10 @@ class CapacityControl:
         # of the request drafting worst, for the gate (optimistic at first).
         self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
         self.gate_survival = SurvivalAverage()
+        if self.options.gate_objective == "batch":
+            self.slowest_request = SlowestRequest(
+                self.max_num_reqs, self.num_speculative_steps, self.device
+            )
 
     def plan_proposal(self, num_reqs: int, depth: int) -> bool:
         """Whether the coming proposal drafts: unless the draft gate closes, or (plain
@@ -417,10 +422,10 @@ class CapacityControl:
         reached, accepted = position_counts(num_verified, num_accepted, self.num_speculative_steps)
         self.stale_position_counts.record(torch.cat([reached, accepted]).float(), 1)
 
-    def record_proposal(self, survival: torch.Tensor) -> None:
-        """After a real proposal: how many of its drafts threshold / sps want verified,
-        and the survivals the draft gate reads. On a GPU one kernel computes both
-        (:mod:`vllm_dspark.capacity.proposal_kernel`)."""
+    def record_proposal(self, survival: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """After a real proposal (``slots``: its rows' request slots): how many of its drafts
+        threshold / sps want verified, and the survivals the draft gate reads. On a GPU one
+        kernel computes both (:mod:`vllm_dspark.capacity.proposal_kernel`)."""
         if self.draft_gate is None and self.stale_budget is None:
             return
         num_reqs = survival.shape[0]
@@ -449,11 +454,10 @@ class CapacityControl:
                 wanted = sps_best_count(survival, self.sps_table, fixed, per_draft)
             else:
                 wanted = threshold_count(survival, threshold)
-        if self.draft_gate is not None:
-            if self.options.gate_objective == "batch":
-                self.stale_survival.record(worst_request_survival(survival), 1)
-            else:
-                self.stale_survival.record(sums, num_reqs)
+        if self.slowest_request is not None:
+            self.stale_survival.record(self.slowest_request.reading(slots, survival), 1)
+        elif self.draft_gate is not None:
+            self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
 

@@ -26,14 +26,13 @@ closed (or the first steps' guesses) are measured again rather than kept for goo
 survivals it weighs are an average over about the last ``SURVIVAL_MEMORY`` requests'
 proposals (:class:`SurvivalAverage`): the gate follows the load, and one proposal of a
 few requests is too noisy a reading of the workload's acceptance. With
-``gate_objective=batch`` the survivals weighed are instead those of each proposal's
-request expecting the fewest accepted drafts (:func:`worst_request_survival`), averaged
-the same way: a batch submitted at once lasts as long as its slowest request, and drafting
-finishes it sooner only if that request gains more tokens per step than a speculative step
-costs over a plain one (on the embedded pair, 256 such requests take 122-127 decode steps
-with k=7, the 127 of no speculation: ``benchmarks/results/batch_steps_embedded.json``).
-Host arithmetic on values every rank reads alike: every tensor-parallel rank decides the
-same.
+``gate_objective=batch`` the survivals weighed are instead the mean so far of the request
+that drafts worst (:class:`SlowestRequest`), averaged the same way: a batch submitted at
+once lasts as long as its slowest request, and drafting finishes it sooner only if that
+request gains more tokens per step than a speculative step costs over a plain one (on the
+embedded pair, 256 such requests take 122-127 decode steps with k=7, the 127 of no
+speculation: ``benchmarks/results/batch_steps_embedded.json``). Host arithmetic on values
+every rank reads alike: every tensor-parallel rank decides the same.
 """
 
 from __future__ import annotations
@@ -76,12 +75,48 @@ class SurvivalAverage:
         return stale.per_request() if self.mean is None else self.mean
 
 
-def worst_request_survival(survival: torch.Tensor) -> torch.Tensor:
-    """[K] the prefix survivals of the request expecting the fewest accepted drafts, of a
-    proposal's [R, K] (positions not computed count 0): what ``gate_objective=batch``
-    weighs. On the device, no host sync."""
-    clamped = survival.clamp(min=0.0)
-    return clamped[clamped.sum(dim=1).argmin()]
+class SlowestRequest:
+    """``gate_objective=batch``: the prefix survivals of the request that drafts worst over
+    its life so far. Per request slot, the sum and count of its proposals' survivals since
+    the request started; a proposal's reading is the mean so far of the request whose mean
+    expects the fewest accepted drafts. Each step's own minimum reads whichever request has
+    a bad passage: on the embedded pair at 16 requests it expects 0.16 accepted drafts per
+    step where the batch's slowest request realised 1.05-1.49, while the lowest mean so far
+    reads 1.07 (``benchmarks/results/batch_steps_embedded.json``)."""
+
+    def __init__(self, max_num_reqs: int, num_drafts: int, device: torch.device):
+        self.sums = torch.zeros(max_num_reqs, num_drafts, device=device)
+        self.counts = torch.zeros(max_num_reqs, device=device)
+        self.owners: list[str | None] = [None] * max_num_reqs  # request id per slot
+        self._fresh: torch.Tensor | None = None
+
+    def start(self, req_ids: list[str], slots: np.ndarray) -> None:
+        """Before a proposal, on the host: the batch rows whose slot a new request took."""
+        fresh = []
+        for slot, req_id in zip(slots.tolist(), req_ids, strict=True):
+            fresh.append(self.owners[slot] != req_id)
+            self.owners[slot] = req_id
+        self._fresh = None
+        if any(fresh):
+            rows = torch.tensor(fresh, dtype=torch.bool)
+            if self.sums.is_cuda:  # an asynchronous copy: no host sync
+                rows = rows.pin_memory()
+            self._fresh = rows.to(self.sums.device, non_blocking=True)
+
+    def reading(self, slots: torch.Tensor, survival: torch.Tensor) -> torch.Tensor:
+        """[K]: takes in a proposal's [R, K] survivals (positions not computed count 0) for
+        the requests in ``slots``; the mean so far of the one expecting the fewest accepted
+        drafts. On the device, no host sync."""
+        slots = slots.long()
+        sums, counts = self.sums[slots], self.counts[slots]
+        if self._fresh is not None:
+            sums = torch.where(self._fresh[:, None], 0.0, sums)
+            counts = torch.where(self._fresh, 0.0, counts)
+        sums = sums + survival.clamp(min=0.0)
+        counts = counts + 1.0
+        self.sums[slots], self.counts[slots] = sums, counts
+        means = sums / counts[:, None]
+        return means[means.sum(dim=1).argmin()]
 
 
 def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> torch.Tensor:
