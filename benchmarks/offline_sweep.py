@@ -339,6 +339,12 @@ def main() -> int:
         "embedded); arithmetic: id sequences (default with dummy weights)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--bracket",
+        action="store_true",
+        help="run the first engine again after the others: its two runs' rows (bracket "
+        "first / last) show how far the machine drifted between engines",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -360,9 +366,14 @@ def main() -> int:
     if shared:
         runs = [run for run in runs if run[0] not in shared]
         runs.append(["+".join(shared), *shared_engine_plan(shared, curve)])
+    if args.bracket:
+        runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
     rows = []
-    for label, options, switch in runs:
+    for position, (label, options, switch) in enumerate(runs):
+        bracket = {}
+        if args.bracket and position in (0, len(runs) - 1):
+            bracket = {"bracket": "first" if position == 0 else "last"}
         if label.startswith("sps") and curve and switch is None:
             options = options | {"dspark_sps_curve": curve}
         spec = {
@@ -391,7 +402,8 @@ def main() -> int:
             if line.startswith("ROW "):
                 row = json.loads(line[4:])
                 engine = {"engine": label} if switch else {}
-                rows.append({"setup": setup, "arm": row.pop("arm", label), **engine, **row})
+                arm = row.pop("arm", label)
+                rows.append({"setup": setup, "arm": arm, **engine, **bracket, **row})
                 print(json.dumps(rows[-1]), flush=True)
         write_record(args.out, rows)  # after every engine: a later failure keeps these
         if done.returncode != 0:

@@ -157,6 +157,38 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
 
 
+def test_offline_sweep_brackets_the_other_engines_with_the_first(monkeypatch, tmp_path):
+    import types
+
+    import offline_sweep
+
+    started = []
+
+    def run_engine(command, **kwargs):
+        spec = json.loads(command[command.index("--arm-spec") + 1])
+        started.append(spec["options"])
+        rows = [{"concurrency": c, "tok_s": float(len(started))} for c in spec["concurrency"]]
+        stdout = "\n".join("ROW " + json.dumps(row) for row in rows)
+        return types.SimpleNamespace(stdout=stdout, stderr="", returncode=0)
+
+    written = []
+    monkeypatch.setattr(offline_sweep.subprocess, "run", run_engine)
+    monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows: written.append(rows))
+    argv = ["offline_sweep.py", "--arms", "nospec,dspark", "--concurrency", "1,16"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--bracket", "--out", str(tmp_path / "o.json")])
+    assert offline_sweep.main() == 0
+    assert started == [None, {}, None]  # no speculation, k=7, no speculation again
+    rows = written[-1]
+    assert [(r["arm"], r.get("bracket"), r["tok_s"]) for r in rows] == [
+        ("nospec", "first", 1.0),
+        ("nospec", "first", 1.0),
+        ("dspark", None, 2.0),
+        ("dspark", None, 2.0),
+        ("nospec", "last", 3.0),
+        ("nospec", "last", 3.0),
+    ]
+
+
 def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, capsys):
     import offline_sweep
     import vllm
