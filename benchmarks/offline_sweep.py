@@ -231,7 +231,7 @@ def run_arm_here(spec: dict) -> None:
             metrics = llm.get_metrics()
             before = SpecDecodeCounts.from_metrics(metrics)
             steps_before, _ = histogram_totals(metrics, ITERATION_TOKENS)
-            first_before = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
+            firsts_before, first_seconds_before = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
             admitted_before = admission_per_rank()
             tok_s = []
             # Below min_requests, a repeat is several waves of ``concurrency`` requests one
@@ -267,7 +267,8 @@ def run_arm_here(spec: dict) -> None:
                 # Prefill steps included: the tail of slow requests shows here, the prefill
                 # phase in the time to first token.
                 "engine_steps_per_batch": (steps - steps_before) / batches,
-                "mean_ttft_s": (first_seconds - first_before[1]) / max(firsts - first_before[0], 1),
+                "mean_ttft_s": (first_seconds - first_seconds_before)
+                / max(firsts - firsts_before, 1),
                 # Per request and step, compacted steps only (else all K).
                 "admitted_per_req": admitted.admitted_per_request if speculating else None,
                 "admission": asdict(admitted),

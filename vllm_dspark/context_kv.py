@@ -40,6 +40,9 @@ class ContextKVGraphs:
         self._eager = type(model).precompute_and_store_context_kv.__get__(model)
         self.states, self.positions, self.slot_rows = states, positions, slot_rows
         self.layer_rows = layer_rows
+        # Where a store on the captured buffers reads: their first rows' addresses.
+        self._buffer_ptrs = (states.data_ptr(), positions.data_ptr())
+        self._slot_ptrs = [slot_rows[row].data_ptr() for row in layer_rows or [0]]
         limit = min(states.shape[0], positions.shape[0], slot_rows.shape[1])
         self.sizes = sorted({size for size in sizes if 0 < size <= limit})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -85,20 +88,15 @@ class ContextKVGraphs:
     def _on_buffers(self, states, positions, slots) -> bool:
         if slots is None:  # a dummy run: compute only, write nothing
             return False
-        expected = self.slots(1)
-        if isinstance(expected, list):
-            if not isinstance(slots, (list, tuple)) or len(slots) != len(expected):
-                return False
-            pairs = list(zip(slots, expected, strict=True))
-        else:
-            if not isinstance(slots, torch.Tensor):
-                return False
-            pairs = [(slots, expected)]
-        pairs += [(states, self.states), (positions, self.positions)]
-        return all(
-            given is not None and given.data_ptr() == captured.data_ptr()
-            for given, captured in pairs
-        )
+        one_mapping = isinstance(slots, torch.Tensor)
+        if one_mapping != (self.layer_rows is None):
+            return False
+        given = [slots] if one_mapping else list(slots)
+        if len(given) != len(self._slot_ptrs) or any(s is None for s in given):
+            return False
+        return (states.data_ptr(), positions.data_ptr()) == self._buffer_ptrs and [
+            s.data_ptr() for s in given
+        ] == self._slot_ptrs
 
 
 class GraphedContextKV:
