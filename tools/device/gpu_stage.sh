@@ -77,6 +77,8 @@ case "$stage" in
     ;;
   smoke)
     vllm_env; use_recalibrated
+    # A fixed KV cache: the smoke can run beside the sanitizer ("smoke+sanitizer").
+    export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30))
     timeout 500 python3 -m pytest tests/gpu/test_capacity_kernels_gpu.py tests/gpu/test_context_kv_gpu.py tests/gpu/test_smoke_gpu.py \
       -q -p no:cacheprovider -x 2>&1 | tee "$OUT/smoke.log" | tail -15
     ;;
