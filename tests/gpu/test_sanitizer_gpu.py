@@ -50,7 +50,7 @@ def usable_sanitizer() -> tuple[str | None, str]:
 
 
 def error_count(log: str) -> int:
-    """memcheck's "ERROR SUMMARY: N errors" (summed over the processes it followed)."""
+    """memcheck's "ERROR SUMMARY: N errors" (summed, should a log hold several)."""
     counts = re.findall(r"ERROR SUMMARY: (\d+) error", log)
     assert counts, log[-3000:]
     return sum(map(int, counts))
@@ -66,13 +66,14 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
         )
         pytest.skip(why_not)
     # Beside the results when they are collected: a run cut short still shows how far it got.
-    log = Path(os.environ.get("DSPARK_RESULTS_DIR", tmp_path)) / "memcheck.log"
+    # One log per process (%p: its pid): processes writing one file overwrite each other's.
+    log_dir = Path(os.environ.get("DSPARK_RESULTS_DIR", tmp_path))
     prefix = (
         sanitizer,
         "--tool=memcheck",
         "--target-processes=all",
         "--print-limit=20",
-        f"--log-file={log}",
+        f"--log-file={log_dir / 'memcheck.%p.log'}",
     )
     spec = pair_spec(
         EVERY_CAPACITY_OPTION,
@@ -88,8 +89,9 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
     )
     # Within the sanitizer stage's 1,200 s (tools/device/gpu_stage.sh).
     result = run_probe(LLM_PROBE, stdin=spec, prefix=prefix, timeout=1100)
-    text = log.read_text()
-    errors = error_count(text)
+    texts = [log.read_text() for log in sorted(log_dir.glob("memcheck.*.log"))]
+    errors = [error_count(text) for text in texts]
+    text = "".join(text for text, n in zip(texts, errors, strict=True) if n)
     write_result(
         "sanitizer.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_sanitizer_gpu.py",
@@ -100,10 +102,13 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
             "options": EVERY_CAPACITY_OPTION,
             "available": True,
             "sanitizer": sanitizer,
-            "errors": errors,
+            "errors": sum(errors),
+            "errors_per_process": errors,
             "compacted_steps": result["admission"]["steps"],
-            "first_errors": text[:4000] if errors else "",
+            "first_errors": text[:4000],
         },
     )
     assert result["admission"]["steps"] > 0  # the plugin's paths ran
-    assert errors == 0, text[:8000]
+    # The probe and vLLM's engine core (a process of its own, where every kernel runs).
+    assert len(texts) >= 2, "memcheck followed one process only"
+    assert sum(errors) == 0, text[:8000]
