@@ -29,7 +29,7 @@ from offline_sweep import heldout_stream, sweep_prompts
 
 from vllm_dspark.demo import EMBEDDED_PAIR
 from vllm_dspark.tiny_pair.drafter import SharedTargetWeights
-from vllm_dspark.tiny_pair.evaluate import accepted_prefix_length
+from vllm_dspark.tiny_pair.evaluate import greedy_walk
 from vllm_dspark.tiny_pair.reference import load_reference_pair
 from vllm_dspark.tiny_pair.target import generate_continuations, target_features
 
@@ -71,20 +71,8 @@ def decode_steps(target, drafter, temperatures, prompts: list[list[int]], output
         survival = torch.sigmoid(proposal.confidence_logits.float() / scale).cumprod(dim=-1)
         expected = survival.sum(dim=-1).numpy()  # [b, anchors]
         for row, expected_row in zip(matches, expected, strict=True):
-            requests.append([float(expected_row[a]) for a in request_anchors(row, output_len)])
+            requests.append([float(expected_row[a]) for a, _ in greedy_walk(row)])
     return requests
-
-
-def request_anchors(matches: np.ndarray, output_len: int) -> list[int]:
-    """The decode anchors one request visits, one per decode step: ``matches[i, k]`` says
-    whether draft k + 1 from the i-th anchor equals the target's token."""
-    committed, anchor, visited = 1, 0, []  # the prefill step commits the first token
-    while committed < output_len:
-        visited.append(anchor)
-        accepted = accepted_prefix_length(matches[anchor])
-        committed += accepted + 1
-        anchor += accepted + 1
-    return visited
 
 
 def batch_row(concurrency: int, per_batch: list[list[list[float]]], output_len: int) -> dict:

@@ -388,16 +388,19 @@ def test_streams_spread_over_client_processes_run_every_prompt_once(stub_server)
 
 def test_batch_steps_walk_a_request_and_a_batch():
     import numpy as np
-    from batch_steps import batch_row, request_anchors
+    from batch_steps import batch_row
 
+    from vllm_dspark.tiny_pair.evaluate import greedy_walk
+
+    # 128 output tokens: the prefill commits the first, decode anchors 0..126 the rest.
     K, output_len = 7, 128
-    every = np.ones((output_len, K), dtype=bool)
-    none = np.zeros((output_len, K), dtype=bool)
-    assert request_anchors(every, output_len) == list(range(0, 127, K + 1))  # 16 steps
-    assert request_anchors(none, output_len) == list(range(output_len - 1))
+    every = np.ones((output_len - 1, K), dtype=bool)
+    none = np.zeros((output_len - 1, K), dtype=bool)
+    assert list(greedy_walk(every)) == [(a, K) for a in range(0, 127, K + 1)]  # 16 steps
+    assert list(greedy_walk(none)) == [(a, 0) for a in range(output_len - 1)]
     half = none.copy()
     half[:, :3] = True  # 4 tokens a step
-    assert len(request_anchors(half, output_len)) == -(-(output_len - 1) // 4)
+    assert len(list(greedy_walk(half))) == -(-(output_len - 1) // 4)
     # Two batches of three requests: per request, its steps' expected drafts.
     first = [[3.0] * 16, [0.5] * 127, [2.0] * 32]
     row = batch_row(3, [first, [[3.0] * 16] * 3], output_len)

@@ -12,6 +12,7 @@ and the AUROC / ECE report.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,18 @@ def accepted_prefix_length(matches: np.ndarray) -> int:
     return int(np.argmin(matches)) if not matches.all() else int(matches.size)
 
 
+def greedy_walk(matches: np.ndarray) -> Iterator[tuple[int, int]]:
+    """(anchor, drafts accepted) of each verify step greedy speculative decoding of one
+    sequence takes, from anchor 0 until its anchors run out: a step commits its accepted
+    drafts and the target's own token. ``matches[i, k]``: draft k + 1 from anchor i is the
+    target's token."""
+    anchor = 0
+    while anchor < len(matches):
+        accepted = accepted_prefix_length(matches[anchor])
+        yield anchor, accepted
+        anchor += accepted + 1
+
+
 @torch.no_grad()
 def simulate_verify_steps(
     target,
@@ -117,17 +130,13 @@ def simulate_verify_steps(
         logprob = proposal.draft_logprob.cpu().numpy()
         inputs = proposal.confidence_inputs.cpu().numpy() if keep_confidence_inputs else None
         for b in range(len(seqs)):
-            p = prompt_len
-            while p < seq_len - block_size:
-                i = p - prompt_len
-                accepted = accepted_prefix_length(matches[b, i])
+            for i, accepted in greedy_walk(matches[b]):
                 logits_rows.append(confidence[b, i])
                 logprob_rows.append(logprob[b, i])
                 matches_rows.append(matches[b, i])
                 lengths.append(accepted + 1)
                 if inputs is not None:
                     input_rows.append(inputs[b, i])
-                p += accepted + 1
     return VerifyRecords(
         confidence_logits=np.asarray(logits_rows, dtype=np.float64),
         accepted=np.asarray(matches_rows, dtype=bool),
