@@ -24,3 +24,15 @@ def test_error_summaries_of_every_followed_process_are_summed():
 def test_a_log_without_a_summary_is_a_failure_not_a_pass():
     with pytest.raises(AssertionError):
         error_count("the sanitizer never finished")
+
+
+def test_a_process_memcheck_never_attached_to_is_not_checked():
+    from test_sanitizer_gpu import checked
+
+    # The log of the probe's process on the H200 at 5ba4c5a.
+    cut = Path(__file__).resolve().parents[2] / "benchmarks/results/memcheck_5ba4c5a_cut.log"
+    assert not checked(cut.read_text())
+    unattached_but_summarised = cut.read_text() + "========= ERROR SUMMARY: 0 errors\n"
+    assert not checked(unattached_but_summarised)
+    assert checked("========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n")
+    assert not checked("========= COMPUTE-SANITIZER\n")  # cut before its end

@@ -186,6 +186,11 @@ def install_draft_slot_check(worker) -> None:
     runner.sample_tokens = sample_tokens_checked
 
 
+def worker_pid(worker) -> int:
+    """The process the worker runs in (the engine core's at TP 1), where the model runs."""
+    return os.getpid()
+
+
 def read_draft_slot_check(worker) -> dict:
     """Runs in the worker: :func:`install_draft_slot_check`'s counts so far."""
     check = worker.model_runner.dspark_draft_slot_check
@@ -297,6 +302,7 @@ def main(spec: dict) -> None:
         result |= measure()
     if speculative:
         result["admission_per_rank"] = [asdict(c) for c in admission_counts_per_rank(llm)]
+        result["worker_pids"] = llm.collective_rpc(worker_pid)
     if spec.get("check_draft_slots"):
         result["draft_slots"] = llm.collective_rpc(read_draft_slot_check)[0]
     print("PROBE " + json.dumps(result))

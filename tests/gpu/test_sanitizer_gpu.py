@@ -50,8 +50,14 @@ def usable_sanitizer() -> tuple[str | None, str]:
 
 
 # What memcheck writes when a process did not connect within --launch-timeout: it then
-# lets the process run unchecked and still ends with "ERROR SUMMARY: 0 errors".
+# lets the process run unchecked (5ba4c5a, H200: the probe's own process, whose children
+# then went unfollowed, and a single log with "ERROR SUMMARY: 0 errors" at 0437bee).
 UNATTACHED = "No attachable process found"
+
+
+def checked(log: str) -> bool:
+    """Whether memcheck instrumented the process of this log to its end."""
+    return UNATTACHED not in log and "ERROR SUMMARY" in log
 
 
 def error_count(log: str) -> int:
@@ -98,9 +104,11 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
     )
     # Within the sanitizer stage's 1,200 s (tools/device/gpu_stage.sh).
     result = run_probe(LLM_PROBE, stdin=spec, prefix=prefix, timeout=1100)
-    texts = [log.read_text() for log in sorted(log_dir.glob("memcheck.*.log"))]
-    errors = [error_count(text) for text in texts]
+    logs = {int(log.name.split(".")[1]): log.read_text() for log in log_dir.glob("memcheck.*.log")}
+    texts = list(logs.values())
+    errors = [error_count(text) if checked(text) else 0 for text in texts]
     text = "".join(text for text, n in zip(texts, errors, strict=True) if n)
+    workers = result["worker_pids"]
     write_result(
         "sanitizer.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_sanitizer_gpu.py",
@@ -113,13 +121,15 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path):
             "sanitizer": sanitizer,
             "errors": sum(errors),
             "errors_per_process": errors,
+            "processes": len(texts),
             "unattached_processes": sum(UNATTACHED in text for text in texts),
+            "worker_processes_checked": [checked(logs.get(pid, "")) for pid in workers],
             "compacted_steps": result["admission"]["steps"],
             "first_errors": text[:4000],
         },
     )
     assert result["admission"]["steps"] > 0  # the plugin's paths ran
-    # The probe and vLLM's engine core (a process of its own, where every kernel runs).
-    assert len(texts) >= 2, "memcheck followed one process only"
-    assert not any(UNATTACHED in text for text in texts), "a process ran unchecked"
+    # The worker's process (vLLM's engine core), where every kernel runs, was instrumented
+    # throughout; other processes (the probe's, helpers that never touch CUDA) may not be.
+    assert all(checked(logs.get(pid, "")) for pid in workers), f"unchecked worker: {workers}"
     assert sum(errors) == 0, text[:8000]
