@@ -93,6 +93,13 @@ ARMS = {
         "dspark_capacity": "acceptance",
         "dspark_varlen_verify": True,
     },
+    # ... whose draft gate schedules plain decode steps where drafting does not pay.
+    "dflash-plain": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+        "dspark_plain_steps": True,
+    },
 }
 
 

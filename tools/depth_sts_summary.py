@@ -73,15 +73,24 @@ def depth_gain(record: dict) -> dict:
 
 
 def dflash(record: dict) -> dict:
+    """Each acceptance-controller arm the run has (without and with plain steps) against
+    fixed depth and no speculation; the target passes if one arm meets all of it."""
     tok_s = _tok_s(record["rows"])
-    concurrencies = sorted({c for _, c in tok_s})
-    ratios = {str(c): tok_s[("dflash-acceptance", c)] / tok_s[("dflash", c)] for c in concurrencies}
-    over_nospec = tok_s[("dflash-acceptance", 256)] / tok_s[("nospec", 256)]
+    concurrencies = sorted({c for arm, c in tok_s if arm == "dflash"})
+    measured = {}
+    for arm in ("dflash-acceptance", "dflash-plain"):
+        if (arm, 256) in tok_s:
+            ratios = {str(c): tok_s[(arm, c)] / tok_s[("dflash", c)] for c in concurrencies}
+            over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
+            measured[arm] = {"over_fixed": ratios, "over_nospec_256": over_nospec}
     return {
         "target": "DFlash + acceptance controller >= DFlash fixed at 1/16/64/256, > no "
         "speculation at 256",
-        "passes": min(ratios.values()) >= 1.0 and over_nospec > 1.0,
-        "measured": {"over_fixed": ratios, "over_nospec_256": over_nospec},
+        "passes": any(
+            min(arm["over_fixed"].values()) >= 1.0 and arm["over_nospec_256"] > 1.0
+            for arm in measured.values()
+        ),
+        "measured": measured,
     }
 
 

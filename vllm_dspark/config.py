@@ -211,7 +211,7 @@ class DSparkOptions(BaseModel):
             "online_sts": CONFIDENCE_MODES,
             "dynamic_depth": CONFIDENCE_MODES,
             "varlen_verify": (*CONFIDENCE_MODES, "acceptance"),
-            "plain_steps": ("sps",),
+            "plain_steps": ("sps", "acceptance"),
             "gate_objective": ("sps",),
         }
         for name, modes in needs.items():

@@ -55,6 +55,40 @@ def point_mass_draws(
     flat.view(-1).index_fill_(0, (flat_rows * vocab + tokens[:, None]).flatten(), 0.0)
 
 
+def propose_without_drafting(speculator, call: dict) -> torch.Tensor:
+    """A proposal the draft gate skips (DSpark or DFlash), with none of the drafting
+    prologue. ``call``: the proposal's arguments by name.
+
+    The next drafting proposal attends to this step's tokens, so their context K/V is
+    stored, at the positions and KV slots the target just used: the drafter's context slots
+    are the target's slot mapping of the draft KV-cache groups, which stock computes again
+    from the same block tables (``tests/cpu/test_context_kv.py``). The drafts are
+    placeholders nothing verifies (the next step's budget is 0; a step that verifies them
+    anyway reads them as point masses). No host sync."""
+    input_batch = call["input_batch"]
+    num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
+    aux = call["aux_hidden_states"]
+    if aux:
+        hidden = speculator.model.combine_hidden_states(torch.cat(aux, dim=-1))
+    else:
+        hidden = call["last_hidden_states"]
+    speculator.hidden_states[:num_tokens].copy_(hidden[:num_tokens])
+    speculator.context_positions[:num_tokens].copy_(input_batch.positions[:num_tokens])
+    target_slots = speculator.block_tables.slot_mappings[speculator.draft_kv_cache_group_ids]
+    speculator._context_slot_mappings[:, :num_tokens].copy_(target_slots[:, :num_tokens])
+    speculator.model.precompute_and_store_context_kv(
+        speculator.hidden_states[:num_tokens],
+        speculator.context_positions[:num_tokens],
+        speculator.context_kv.slots(num_tokens),
+    )
+    slots = input_batch.idx_mapping
+    anchor = call["last_sampled"].view(-1)[slots.long()]
+    speculator.draft_tokens[:num_reqs] = anchor.unsqueeze(1)
+    if speculator.draft_logits is not None:
+        point_mass_draws(speculator.draft_logits, slots, anchor)
+    return speculator.draft_tokens[:num_reqs]
+
+
 class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
@@ -177,37 +211,10 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
         return drafts
 
     def _propose_skipped(self, call: dict) -> torch.Tensor:
-        """A proposal the draft gate skips, with none of the drafting prologue.
-
-        The next drafting proposal attends to this step's tokens, so their context K/V is
-        stored, at the positions and KV slots the target just used: the drafter's context
-        slots are the target's slot mapping of the draft KV-cache groups, which stock
-        computes again from the same block tables (``tests/cpu/test_context_kv.py``). The
-        drafts are placeholders nothing verifies (the next step's budget is 0; a step that
-        verifies them anyway reads them as point masses). No host sync."""
-        input_batch = call["input_batch"]
-        num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
-        aux = call["aux_hidden_states"]
-        if aux:
-            hidden = self.model.combine_hidden_states(torch.cat(aux, dim=-1))
-        else:
-            hidden = call["last_hidden_states"]
-        self.hidden_states[:num_tokens].copy_(hidden[:num_tokens])
-        self.context_positions[:num_tokens].copy_(input_batch.positions[:num_tokens])
-        target_slots = self.block_tables.slot_mappings[self.draft_kv_cache_group_ids]
-        self._context_slot_mappings[:, :num_tokens].copy_(target_slots[:, :num_tokens])
-        self.model.precompute_and_store_context_kv(
-            self.hidden_states[:num_tokens],
-            self.context_positions[:num_tokens],
-            self.context_kv.slots(num_tokens),
-        )
-        slots = input_batch.idx_mapping
-        anchor = call["last_sampled"].view(-1)[slots.long()]
-        self.draft_tokens[:num_reqs] = anchor.unsqueeze(1)
-        self.survival[:num_reqs] = UNCOMPUTED_SURVIVAL
-        if self.draft_logits is not None:
-            point_mass_draws(self.draft_logits, slots, anchor)
-        return self.draft_tokens[:num_reqs]
+        """Without drafting; survivals below every admission."""
+        drafts = propose_without_drafting(self, call)
+        self.survival[: call["input_batch"].num_reqs] = UNCOMPUTED_SURVIVAL
+        return drafts
 
     def _observe_verification(self, input_batch, slots, num_sampled) -> None:
         """What the step just verified, the drafts each slot proposed last step, feeds the
@@ -297,16 +304,33 @@ class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
+        self.draft_depth = self.num_speculative_steps  # DFlash computes every position
         self._init_capacity(vllm_config, device)
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        with plain_steps.without_dynamic_sd_table(self.vllm_config):
+            super().init_cudagraph_manager(cudagraph_mode)
+
+    def draft_graph_managers(self) -> dict:
+        """{depth: its draft graph manager}: DFlash drafts its K positions in one pass."""
+        graphs = self.query_cudagraph_manager
+        return {self.num_speculative_steps: graphs} if graphs else {}
 
     def propose(self, *args, **kwargs):
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
-        if self.acceptance is not None and not call.get("dummy_run", False):
+        real_step = not call.get("dummy_run", False)
+        drafting = True
+        if self.acceptance is not None and real_step:
             input_batch = call["input_batch"]
             counts = verification_counts(input_batch.cu_num_logits, call["num_sampled"])
             self.record_verification(*counts)
             self.observe_step(input_batch.num_reqs)
-        return super().propose(*args, **kwargs)
+            drafting = self.plan_proposal(input_batch.num_reqs, self.num_speculative_steps)
+        if real_step:
+            self.drafted_last = drafting
+        if drafting:
+            return super().propose(*args, **kwargs)
+        return propose_without_drafting(self, call)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)

@@ -494,7 +494,7 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     curves, draft_costs = [], []
     speculator = SimpleNamespace(
         needs_sps_profile=True,
-        options=SimpleNamespace(capacity="sps"),
+        gates_drafting=True,
         set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
         draft_graph_managers=lambda: {1: "depth-1 graphs", 7: "draft graphs"},
         set_draft_cost=draft_costs.append,
@@ -514,8 +514,8 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     assert draft_costs == [{1: [(1, 0.2)], 7: [(1, 0.5), (8, 1.0)]}]
     assert not speculator.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
-    # acceptance takes the curve alone (it has no draft gate).
-    speculator.needs_sps_profile, speculator.options.capacity = True, "acceptance"
+    # acceptance without plain steps takes the curve alone (it has no draft gate).
+    speculator.needs_sps_profile, speculator.gates_drafting = True, False
     capture(runner)
     assert len(curves) == 2 and len(draft_costs) == 1
     table = sps_table_from_curve(curves[0][0], 64)

@@ -161,7 +161,7 @@ def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(sps_s
     assert speculator.take_gate_report() is None
 
 
-def test_plain_steps_need_sps_and_no_dynamic_sd_table(engine_config, model_dirs):
+def test_plain_steps_need_sps_or_acceptance_and_no_dynamic_sd_table(engine_config, model_dirs):
     from vllm_dspark.config import DSparkOptionError
 
     base = {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K}
@@ -184,6 +184,63 @@ def test_plain_steps_need_sps_and_no_dynamic_sd_table(engine_config, model_dirs)
                 "num_speculative_tokens_per_batch_size": [[1, 256, K]],
             }
         )
+
+
+def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
+    engine_config, model_dirs, monkeypatch
+):
+    """DFlash has no confidence head: with capacity=acceptance and plain steps, the draft
+    gate weighs the acceptance verified per position. At 16 requests, drafts that are never
+    accepted close it (the proposal skips drafting, the scheduler is told 0); drafts that
+    are all accepted reopen it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_dspark import speculator as speculator_module
+    from vllm_dspark.config import DSparkOptions
+
+    config = engine_config(
+        {
+            "method": "dflash",
+            "model": model_dirs["dflash"],
+            "num_speculative_tokens": K,
+            "dspark_capacity": "acceptance",
+            "dspark_varlen_verify": True,
+            "dspark_plain_steps": True,
+            "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
+            "dspark_step_overhead_ms": 0.0,
+        }
+    )
+    with set_current_vllm_config(config):
+        speculator = speculator_module.DFlashPluginSpeculator(
+            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
+        )
+    assert speculator.gates_drafting and speculator.draft_gate is None  # until profiled
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: "drafted")
+    monkeypatch.setattr(speculator_module, "propose_without_drafting", lambda s, c: "skipped")
+    speculator.take_gate_report()
+
+    def propose(accepted: int) -> str:
+        """A proposal after a step of 16 requests that verified K drafts each."""
+        batch = SimpleNamespace(num_reqs=16, cu_num_logits=torch.arange(0, 16 * (K + 1) + 1, K + 1))
+        speculator.next_step_drafts = K
+        unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
+        unused += ["next_prefill_tokens", "temperature", "seeds"]
+        return speculator.propose(
+            input_batch=batch,
+            attn_metadata={},
+            slot_mappings={},
+            num_sampled=torch.full((16,), accepted + 1),
+            **dict.fromkeys(unused),
+        )
+
+    assert propose(accepted=0) == "drafted"  # nothing verified yet: optimistic
+    assert [propose(accepted=0) for _ in range(3)][-1] == "skipped"
+    assert speculator.take_gate_report() == 0 and not speculator.drafted_last
+    reopened = [propose(accepted=K) for _ in range(20)]
+    assert reopened[0] == "skipped" and reopened[-1] == "drafted"  # as the ratio recovers
+    assert speculator.take_gate_report() == K
 
 
 def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(sps_speculator):

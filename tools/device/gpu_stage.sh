@@ -37,8 +37,9 @@
 #   soak     2,000 requests, preemption, aborts, every capacity option, against no
 #            speculation (vLLM; two engines, float32)
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
-#   dflash   DFlash fixed k=7 against its acceptance-length controller and no speculation,
-#            Qwen3-8B shape, vLLM's synthetic acceptance (vLLM; three engines)
+#   dflash   DFlash fixed k=7 against its acceptance-length controller (without and with
+#            plain steps) and no speculation, Qwen3-8B shape, vLLM's synthetic acceptance
+#            (vLLM; four engines, ~9 min)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
@@ -173,7 +174,7 @@ case "$stage" in
     ;;
   dflash)
     vllm_env
-    timeout 900 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance \
+    timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance,dflash-plain \
       --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
       | tee "$OUT/dflash.log" | tail -14
     ;;

@@ -143,8 +143,6 @@ class CapacityControl:
         self.open_verdict_pending = False
         self.step_plain = False  # the running step is a plain decode step (set beside step_tokens)
         self.plain_cost_probe = PlainCostProbe() if options.plain_steps else None
-        if auto_sps and self.profiled_draft_ms is not None:
-            self.set_draft_cost(self.profiled_draft_ms)
         # acceptance: a depth from verified steps' acceptance per position (their counts
         # of verifications reaching, then accepting, each position: 2 K values).
         self.acceptance = None
@@ -152,6 +150,8 @@ class CapacityControl:
             self.acceptance = AcceptanceDepth(num_drafts)
             self.stale_position_counts = StalePerRequest(device, [0.0] * (2 * num_drafts))
             self.position_counts_read = 0
+        if auto_sps and self.profiled_draft_ms is not None:
+            self.set_draft_cost(self.profiled_draft_ms)
         # dynamic_depth: sequential positions the drafter computes, from recent admissions.
         self.physical_depth = None
         if options.dynamic_depth:
@@ -221,9 +221,11 @@ class CapacityControl:
             for depth, rows in rows_by_depth.items()
             if rows
         }
-        if self.options.capacity != "sps" or self.sps_table_host is None or not tables:
+        if not self.gates_drafting or self.sps_table_host is None or not tables:
             return
         self.draft_gate = DraftGate(self.sps_table_host, tables)
+        if self.acceptance is not None:
+            return  # the gate reads the acceptance observed per position
         # Recent prefix survival per position of the mean request, or (gate_objective=batch)
         # of the request drafting worst, for the gate (optimistic at first).
         self.stale_survival = StalePerRequest(self.device, [1.0] * self.num_speculative_steps)
@@ -232,6 +234,13 @@ class CapacityControl:
             self.slowest_request = SlowestRequest(
                 self.max_num_reqs, self.num_speculative_steps, self.device
             )
+
+    @property
+    def gates_drafting(self) -> bool:
+        """Whether a draft gate decides to draft at all: with ``sps``, and with
+        ``acceptance`` when it may schedule plain steps instead."""
+        capacity = self.options.capacity
+        return capacity == "sps" or (capacity == "acceptance" and self.options.plain_steps)
 
     def plan_proposal(self, num_reqs: int, depth: int) -> bool:
         """Whether the coming proposal drafts: unless the draft gate closes, or (plain
@@ -259,9 +268,14 @@ class CapacityControl:
         if not overhead.ready:
             return True  # not weighed before the step's costs are known
         plain = overhead.plain_step_seconds(num_reqs) if self.options.plain_steps else None
+        if self.acceptance is not None:
+            self._observe_acceptance()
+            survival = self.acceptance.survival().tolist()
+        else:
+            survival = self.gate_survival.update(self.stale_survival, num_reqs)
         return self.draft_gate.decide(
             num_reqs,
-            self.gate_survival.update(self.stale_survival, num_reqs),
+            survival,
             depth,
             overhead_s=overhead.per_step_seconds(num_reqs),
             per_draft_s=overhead.per_draft_seconds,
@@ -330,11 +344,7 @@ class CapacityControl:
     def _acceptance_depth(self, num_reqs: int) -> int:
         """acceptance: the depth every request verifies this step, after taking in the
         newest verified step's counts."""
-        counts = self.stale_position_counts
-        if counts.proposals != self.position_counts_read:
-            self.position_counts_read = counts.proposals
-            totals, num_drafts = counts.per_request(), self.num_speculative_steps
-            self.acceptance.observe(totals[:num_drafts], totals[num_drafts:])
+        self._observe_acceptance()
         if self.sps_table_host is None:
             return self.acceptance.update(self.acceptance.length_target())
         fixed = per_draft = 0.0
@@ -345,6 +355,14 @@ class CapacityControl:
             self.acceptance.survival(), num_reqs, self.sps_table_host, fixed, per_draft
         )
         return self.acceptance.update(target)
+
+    def _observe_acceptance(self) -> None:
+        """acceptance: take in the newest verified step's counts per position, once."""
+        counts = self.stale_position_counts
+        if counts.proposals != self.position_counts_read:
+            self.position_counts_read = counts.proposals
+            totals, num_drafts = counts.per_request(), self.num_speculative_steps
+            self.acceptance.observe(totals[:num_drafts], totals[num_drafts:])
 
     def _vary_admission(self, budget: int) -> int:
         """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY
@@ -426,8 +444,8 @@ class CapacityControl:
         """After a real proposal (``slots``: its rows' request slots): how many of its drafts
         threshold / sps want verified, and the survivals the draft gate reads. On a GPU one
         kernel computes both (:mod:`vllm_dspark.capacity.proposal_kernel`)."""
-        if self.draft_gate is None and self.stale_budget is None:
-            return
+        if self.acceptance is not None or (self.draft_gate is None and self.stale_budget is None):
+            return  # acceptance reads verified steps, not proposals
         num_reqs = survival.shape[0]
         sps = self.options.capacity == "sps"
         threshold = self.options.confidence_threshold

@@ -1,4 +1,4 @@
-"""Plain decode steps while the ``sps`` draft gate is closed (``dspark_plain_steps``).
+"""Plain decode steps while the draft gate (sps or acceptance) is closed (plain_steps).
 
 With the gate closed, a proposal drafts nothing and the step after it verifies nothing,
 yet vLLM still schedules that step as a speculative one: 1 + K tokens per request through

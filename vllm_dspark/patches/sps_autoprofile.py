@@ -62,7 +62,7 @@ def _make_wrapper(capture_model):
             speculator.set_sps_curve(curve, self.device, profiled=True)
             speculator.needs_sps_profile = False
             logger.info("vllm-dspark: SPS curve profiled at start-up [T, steps/s]: %s", curve)
-            if speculator.options.capacity == "sps":  # the draft gate's costs
+            if speculator.gates_drafting:  # the draft gate's costs
                 draft_ms = {
                     depth: slowest_rank(time_draft_graphs(speculator, manager))
                     for depth, manager in speculator.draft_graph_managers().items()
