@@ -89,6 +89,8 @@ CAPACITY_ARMS = {
     # Plain steps: the draft gate's probe surely skips proposals (their drafting prologue
     # too), whose steps run the plain one-token graphs.
     "sps-plain": {"capacity": "sps", "plain_steps": True},
+    # The same with the gate weighing the acceptance verified per position (as for DFlash).
+    "acceptance-plain": {"capacity": "acceptance", "plain_steps": True},
 }
 _results: dict = {}
 
@@ -185,7 +187,7 @@ def test_capacity_modes_are_lossless(arms, mode):
     fixed_rate = fixed["accepted_tokens"] / fixed["drafts"]
     assert 0 < capped_rate
     admission = arms[mode]["admission"]
-    if mode == "sps-plain":
+    if mode.endswith("-plain"):
         assert admission["proposals_skipped"] > 0
     else:
         # This pair's own curve may make every draft worth verifying.
