@@ -68,28 +68,28 @@ def engine_config(vllm_cpu, model_dirs, monkeypatch):
 
 @pytest.fixture
 def plugin_speculator(engine_config, model_dirs):
-    """Build vllm-dspark's DSpark speculator on CPU: ``num_drafts`` drafts, compact
-    verification, and the given further ``dspark_`` options."""
+    """Build vllm-dspark's DSpark (or, ``method="dflash"``, DFlash) speculator on CPU:
+    ``num_drafts`` drafts, compact verification, and the given further ``dspark_``
+    options."""
 
-    def build(num_drafts=7, **options):
+    def build(num_drafts=7, method="dspark", **options):
         from vllm.config import set_current_vllm_config
 
         from vllm_dspark.config import DSparkOptions
-        from vllm_dspark.speculator import DSparkPluginSpeculator
+        from vllm_dspark.speculator import DFlashPluginSpeculator, DSparkPluginSpeculator
 
         config = engine_config(
             {
-                "method": "dspark",
-                "model": model_dirs["dspark"],
+                "method": method,
+                "model": model_dirs[method],
                 "num_speculative_tokens": num_drafts,
                 "dspark_varlen_verify": True,
                 **options,
             }
         )
+        speculator = DSparkPluginSpeculator if method == "dspark" else DFlashPluginSpeculator
         with set_current_vllm_config(config):
-            return DSparkPluginSpeculator(
-                config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-            )
+            return speculator(config, torch.device("cpu"), DSparkOptions.from_vllm_config(config))
 
     return build
 

@@ -249,28 +249,11 @@ def test_acceptance_depth_follows_the_load_on_the_sps_curve():
     assert best_depth(survival, 256, table, fixed_s=0.008) > 1
 
 
-def test_dflash_acceptance_mode_verifies_one_depth_for_all(engine_config, model_dirs):
-    from vllm.config import set_current_vllm_config
-
+def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
     from vllm_dspark.capacity.allocation import verification_counts
-    from vllm_dspark.config import DSparkOptions
-    from vllm_dspark.speculator import DFlashPluginSpeculator
 
     def speculator(**options):
-        config = engine_config(
-            {
-                "method": "dflash",
-                "model": model_dirs["dflash"],
-                "num_speculative_tokens": K,
-                "dspark_capacity": "acceptance",
-                "dspark_varlen_verify": True,
-                **options,
-            }
-        )
-        with set_current_vllm_config(config):
-            return DFlashPluginSpeculator(
-                config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-            )
+        return plugin_speculator(K, method="dflash", dspark_capacity="acceptance", **options)
 
     # Three decode requests verified 7 drafts each and accepted 1, 0 and 2; a prefill had
     # none. Survival (2/3, 1/3, 0, ...): the length rule wants floor(1 + 1.5) = 2.

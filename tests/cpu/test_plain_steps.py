@@ -187,34 +187,24 @@ def test_plain_steps_need_sps_or_acceptance_and_no_dynamic_sd_table(engine_confi
 
 
 def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
-    engine_config, model_dirs, monkeypatch
+    plugin_speculator, monkeypatch
 ):
     """DFlash has no confidence head: with capacity=acceptance and plain steps, the draft
     gate weighs the acceptance verified per position. At 16 requests, drafts that are never
     accepted close it (the proposal skips drafting, the scheduler is told 0); drafts that
     are all accepted reopen it."""
-    from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from vllm_dspark import speculator as speculator_module
-    from vllm_dspark.config import DSparkOptions
 
-    config = engine_config(
-        {
-            "method": "dflash",
-            "model": model_dirs["dflash"],
-            "num_speculative_tokens": K,
-            "dspark_capacity": "acceptance",
-            "dspark_varlen_verify": True,
-            "dspark_plain_steps": True,
-            "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
-            "dspark_step_overhead_ms": 0.0,
-        }
+    speculator = plugin_speculator(
+        K,
+        method="dflash",
+        dspark_capacity="acceptance",
+        dspark_plain_steps=True,
+        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
+        dspark_step_overhead_ms=0.0,
     )
-    with set_current_vllm_config(config):
-        speculator = speculator_module.DFlashPluginSpeculator(
-            config, torch.device("cpu"), DSparkOptions.from_vllm_config(config)
-        )
     assert speculator.gates_drafting and speculator.draft_gate is None  # until profiled
     speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: "drafted")
