@@ -16,7 +16,6 @@ from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManag
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-from vllm_dspark.capacity import plain_steps
 from vllm_dspark.capacity.allocation import (
     UNCOMPUTED_SURVIVAL,
     prefix_survival,
@@ -114,12 +113,8 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
         self.draft_depth = self.num_speculative_steps
         self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
 
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        with plain_steps.without_dynamic_sd_table(self.vllm_config):
-            self._init_draft_graph_managers(cudagraph_mode)
-
     def _init_draft_graph_managers(self, cudagraph_mode) -> None:
-        super().init_cudagraph_manager(cudagraph_mode)
+        super()._init_draft_graph_managers(cudagraph_mode)
         if self.physical_depth is None:
             return
         full = self.query_cudagraph_manager
@@ -151,12 +146,10 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
         return options
 
     def draft_graph_managers(self) -> dict:
-        """{depth: its draft graph manager}: one per depth with dynamic depth, else the
-        full depth's (none before graphs exist)."""
+        """One per depth with dynamic depth, else the full depth's."""
         if self._depth_graphs:
             return dict(self._depth_graphs)
-        graphs = self.query_cudagraph_manager
-        return {self.num_speculative_steps: graphs} if graphs else {}
+        return super().draft_graph_managers()
 
     def _use_depth(self, depth: int) -> None:
         self.draft_depth = depth
@@ -306,15 +299,6 @@ class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator
         self.options = options
         self.draft_depth = self.num_speculative_steps  # DFlash computes every position
         self._init_capacity(vllm_config, device)
-
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        with plain_steps.without_dynamic_sd_table(self.vllm_config):
-            super().init_cudagraph_manager(cudagraph_mode)
-
-    def draft_graph_managers(self) -> dict:
-        """{depth: its draft graph manager}: DFlash drafts its K positions in one pass."""
-        graphs = self.query_cudagraph_manager
-        return {self.num_speculative_steps: graphs} if graphs else {}
 
     def propose(self, *args, **kwargs):
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments

@@ -313,21 +313,28 @@ def test_the_drafter_lists_its_graphs_without_the_plain_steps_table(engine_confi
 
 
 def test_the_speculator_builds_its_draft_graph_managers_without_the_table(
-    sps_speculator, monkeypatch
+    sps_speculator, plugin_speculator, monkeypatch
 ):
     from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    speculator = gate_speculator(sps_speculator, dspark_plain_steps=True)
-    seen = []
+    dflash = plugin_speculator(
+        K, method="dflash", dspark_capacity="acceptance", dspark_plain_steps=True
+    )
+    for speculator, stock in (
+        (gate_speculator(sps_speculator, dspark_plain_steps=True), DSparkSpeculator),
+        (dflash, DFlashSpeculator),
+    ):
+        seen = []
 
-    def record(self, cudagraph_mode):
-        seen.append(self.vllm_config.speculative_config.num_speculative_tokens_per_batch_size)
+        def record(self, cudagraph_mode, seen=seen):
+            seen.append(self.vllm_config.speculative_config.num_speculative_tokens_per_batch_size)
 
-    monkeypatch.setattr(DSparkSpeculator, "init_cudagraph_manager", record)
-    speculator.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
-    assert seen == [None]
-    assert speculator.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+        monkeypatch.setattr(stock, "init_cudagraph_manager", record)
+        speculator.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+        assert seen == [None]
+        assert speculator.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
 
 
 def test_the_plain_cost_probe_closes_an_open_gate_per_new_batch_range_and_now_and_then():

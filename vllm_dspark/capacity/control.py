@@ -38,7 +38,7 @@ from vllm_dspark.capacity.draft_gate import (
     draft_seconds_table,
 )
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
-from vllm_dspark.capacity.plain_steps import PlainCostProbe
+from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.stale_record import StalePerRequest
 from vllm_dspark.capacity.step_overhead import StepOverhead
@@ -478,6 +478,21 @@ class CapacityControl:
             self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """The drafter's graph managers, listed without plain steps' Dynamic SD table
+        (:func:`~vllm_dspark.capacity.plain_steps.without_dynamic_sd_table`)."""
+        with without_dynamic_sd_table(self.vllm_config):
+            self._init_draft_graph_managers(cudagraph_mode)
+
+    def _init_draft_graph_managers(self, cudagraph_mode) -> None:
+        super().init_cudagraph_manager(cudagraph_mode)
+
+    def draft_graph_managers(self) -> dict:
+        """{depth: its draft graph manager}, which the draft gate's costs are timed on: the
+        full depth's (none before graphs exist)."""
+        graphs = self.query_cudagraph_manager
+        return {self.num_speculative_steps: graphs} if graphs else {}
 
     def set_attn(
         self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
