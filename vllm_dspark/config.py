@@ -201,7 +201,8 @@ class DSparkOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check_modes(self) -> DSparkOptions:
-        # An option set for a mode that does not read it would be silently ignored.
+        # An option set for a mode that does not read it would be silently ignored; one
+        # given at its default (a switch turning dynamic depth off) changes nothing.
         needs = {
             "confidence_threshold": ("threshold",),
             "budget_frac": ("budget", "sps"),
@@ -215,7 +216,8 @@ class DSparkOptions(BaseModel):
             "gate_objective": ("sps",),
         }
         for name, modes in needs.items():
-            if name in self.model_fields_set and self.capacity not in modes:
+            default = type(self).model_fields[name].get_default(call_default_factory=True)
+            if getattr(self, name) != default and self.capacity not in modes:
                 choices = ", ".join(f"{KEY_PREFIX}capacity={m}" for m in modes)
                 raise ValueError(
                     f"{KEY_PREFIX}{name} only applies with {choices}; "

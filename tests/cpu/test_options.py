@@ -342,6 +342,17 @@ def test_defaults_are_inactive():
     assert not resolve_options({"dspark_capacity": "off"}, {})[0].active
 
 
+def test_an_option_at_its_default_is_accepted_with_any_mode():
+    # What a running engine's capacity switch sends (the pair arms test): dynamic depth
+    # turned off while switching to a mode that has none. H200 at c6d6210: refused.
+    options = DSparkOptions.model_validate(
+        {"capacity": "acceptance", "plain_steps": True, "dynamic_depth": False}
+    )
+    assert options.non_default() == {"capacity": "acceptance", "plain_steps": True}
+    with pytest.raises(ValueError, match="dspark_dynamic_depth only applies with"):
+        DSparkOptions.model_validate({"capacity": "acceptance", "dynamic_depth": True})
+
+
 def test_options_are_carried_in_the_engine_config(engine_config, model_dirs):
     stock = engine_config(spec(model_dirs))
     speculative = spec(
