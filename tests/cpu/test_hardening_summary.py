@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
 
-from hardening_summary import CASES, summarize  # noqa: E402
+from hardening_summary import CASES, add_sanitizer, summarize  # noqa: E402
 
 
 def write(path: Path, stock_fails: bool, plugin_passes: bool) -> None:
@@ -28,3 +28,18 @@ def test_each_case_reads_its_file_wherever_the_stage_put_it(tmp_path):
     assert by_case["padded replay state"]["evidence"]["file"].endswith("freed_memory.json")
     soak = next(entry for entry in entries if entry["case"].startswith("soak"))
     assert soak["plugin_passes"] is False and soak["evidence"]["plugin"] == {"x": 2}
+
+
+def test_a_sanitizer_run_joins_case_two_and_fails_it_unless_checked_and_clean(tmp_path):
+    write(tmp_path / "freed_memory.json", stock_fails=False, plugin_passes=True)
+    run = {"commit": "abc", "date": "d", "device": "H200", "setup": "s", "compacted_steps": 16}
+    for log_checked, errors, passes in [(True, 0, True), (True, 2, False), (False, None, False)]:
+        entries, _ = summarize(tmp_path)
+        sanitizer = tmp_path / "sanitizer_abc.json"
+        sanitizer.write_text(json.dumps(run | {"log_checked": log_checked, "errors": errors}))
+        add_sanitizer(entries, sanitizer)
+        lifetime = next(entry for entry in entries if entry["case"] == "CUDA-graph buffer lifetime")
+        assert lifetime["plugin_passes"] is passes
+        assert lifetime["evidence"]["sanitizer"]["file"] == "benchmarks/results/sanitizer_abc.json"
+        padded = next(entry for entry in entries if entry["case"] == "padded replay state")
+        assert "sanitizer" not in padded["evidence"]

@@ -303,6 +303,7 @@ def main(spec: dict) -> None:
     if speculative:
         result["admission_per_rank"] = [asdict(c) for c in admission_counts_per_rank(llm)]
         result["worker_pids"] = llm.collective_rpc(worker_pid)
+        result["probe_pid"] = os.getpid()
     if spec.get("check_draft_slots"):
         result["draft_slots"] = llm.collective_rpc(read_draft_slot_check)[0]
     print("PROBE " + json.dumps(result))

@@ -179,14 +179,21 @@ def arms():
 def test_capacity_modes_are_lossless(arms, mode):
     assert arms["dspark"]["token_ids"] == arms["nospec"]["token_ids"]
     fixed, capped = arms["dspark"]["spec_decode"], arms[mode]["spec_decode"]
-    _record(f"capacity_{mode}", {"options": CAPACITY_ARMS[mode], "fixed_k7": fixed, mode: capped})
+    admission = arms[mode]["admission"]
+    _record(
+        f"capacity_{mode}",
+        {"options": CAPACITY_ARMS[mode], "fixed_k7": fixed, mode: capped, "admission": admission},
+    )
     assert arms[mode]["token_ids"] == arms["nospec"]["token_ids"]
+    # Even a closed draft gate drafts one proposal in PROBE_EVERY (64) skipped ones, and a
+    # batch of 64 requests here takes 128 steps or more. (H200, 5e59c9b: acceptance-plain
+    # scheduled no draft at all; not understood yet.)
+    assert capped["drafts"] > 0, admission
     # vLLM counts every scheduled draft; accepted ones can only come from admitted ones,
     # and fewer verified drafts mean fewer accepted per step.
     capped_rate = capped["accepted_tokens"] / capped["drafts"]
     fixed_rate = fixed["accepted_tokens"] / fixed["drafts"]
     assert 0 < capped_rate
-    admission = arms[mode]["admission"]
     if mode.endswith("-plain"):
         assert admission["proposals_skipped"] > 0
     else:

@@ -58,7 +58,7 @@ UNATTACHED = "No attachable process found"
 
 
 def checked(log: str) -> bool:
-    """Whether memcheck instrumented the process of this log to its end."""
+    """Whether memcheck instrumented the processes of this log to their end."""
     return UNATTACHED not in log and "ERROR SUMMARY" in log
 
 
@@ -79,7 +79,8 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path, monk
         )
         pytest.skip(why_not)
     # Beside the results when they are collected: a run cut short still shows how far it got.
-    # One log per process (%p: its pid): processes writing one file overwrite each other's.
+    # %p is compute-sanitizer's own pid: every process it follows writes to this one log
+    # (H200, 5e59c9b: memcheck.835.log, the engine in process 844).
     log_dir = Path(os.environ.get("DSPARK_RESULTS_DIR", tmp_path))
     prefix = (
         sanitizer,
@@ -107,11 +108,10 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path, monk
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in the probe
     # Within the sanitizer stage's 1,200 s (tools/device/gpu_stage.sh).
     result = run_probe(LLM_PROBE, stdin=spec, prefix=prefix, timeout=1100)
-    logs = {int(log.name.split(".")[1]): log.read_text() for log in log_dir.glob("memcheck.*.log")}
-    texts = list(logs.values())
-    errors = [error_count(text) if checked(text) else 0 for text in texts]
-    text = "".join(text for text, n in zip(texts, errors, strict=True) if n)
-    workers = result["worker_pids"]
+    logs = [log.read_text() for log in log_dir.glob("memcheck.*.log")]
+    assert len(logs) == 1, f"one compute-sanitizer run, one log: {len(logs)}"
+    log = logs[0]
+    errors = error_count(log) if checked(log) else None
     write_result(
         "sanitizer.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_sanitizer_gpu.py",
@@ -122,17 +122,17 @@ def test_memcheck_finds_no_error_with_every_capacity_option(tmp_path: Path, monk
             "options": EVERY_CAPACITY_OPTION,
             "available": True,
             "sanitizer": sanitizer,
-            "errors": sum(errors),
-            "errors_per_process": errors,
-            "processes": len(texts),
-            "unattached_processes": sum(UNATTACHED in text for text in texts),
-            "worker_processes_checked": [checked(logs.get(pid, "")) for pid in workers],
+            "errors": errors,
+            "log_checked": checked(log),
+            "probe_pid": result["probe_pid"],
+            "worker_pids": result["worker_pids"],
             "compacted_steps": result["admission"]["steps"],
-            "first_errors": text[:4000],
+            "log_tail": log[-4000:],
         },
     )
     assert result["admission"]["steps"] > 0  # the plugin's paths ran
-    # The worker's process (here the probe's own), where every kernel runs, was instrumented
-    # throughout; other processes (helpers that never touch CUDA) may not be.
-    assert all(checked(logs.get(pid, "")) for pid in workers), f"unchecked worker: {workers}"
-    assert sum(errors) == 0, text[:8000]
+    # Every kernel ran in the probe's process, which memcheck instrumented to its end (a
+    # process it never attached to would run unchecked, and the summary would still print).
+    assert result["worker_pids"] == [result["probe_pid"]]
+    assert checked(log), log[-3000:]
+    assert errors == 0, log[-8000:]
