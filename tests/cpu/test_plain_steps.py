@@ -14,30 +14,26 @@ K = 3
 PLAIN_STEPS = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_plain_steps": True}
 
 
-@pytest.fixture(params=[{}, PLAIN_STEPS], ids=["stock-config", "plain-steps-config"])
-def async_scheduler(request, engine_config, model_dirs):
-    """vLLM's own AsyncScheduler over a small KV cache, for a DSpark config with K drafts:
-    stock, or with plain steps (whose Dynamic SD table schedules K at every batch size)."""
+def build_async_scheduler(engine_config, model_dirs, options: dict, num_blocks: int = 64, **kwargs):
+    """vLLM's own AsyncScheduler over a KV cache of ``num_blocks`` blocks, for a DSpark
+    config with K drafts and the given ``dspark_`` options."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = engine_config(
-        {
-            "method": "dspark",
-            "model": model_dirs["dspark"],
-            "num_speculative_tokens": K,
-            **request.param,
-        },
-        max_model_len=256,
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": K, **options},
+        **kwargs,
     )
     block_size = config.cache_config.block_size
-    config.cache_config.num_gpu_blocks = 64  # what the engine sets after profiling
+    config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
     )
     kv_cache = KVCacheConfig(
-        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     return AsyncScheduler(
         vllm_config=config,
@@ -47,29 +43,37 @@ def async_scheduler(request, engine_config, model_dirs):
     )
 
 
-def add_requests(scheduler, count: int) -> list[str]:
+@pytest.fixture(params=[{}, PLAIN_STEPS], ids=["stock-config", "plain-steps-config"])
+def async_scheduler(request, engine_config, model_dirs):
+    """The AsyncScheduler for stock DSpark, or with plain steps (whose Dynamic SD table
+    schedules K at every batch size)."""
+    return build_async_scheduler(engine_config, model_dirs, request.param, max_model_len=256)
+
+
+def add_requests(scheduler, count: int, max_tokens: int = 64) -> list[str]:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     ids = [f"r{i}" for i in range(count)]
     for req_id in ids:
-        params = SamplingParams(max_tokens=64, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         scheduler.add_request(Request(req_id, [5, 6, 7, 8], params, None))
     return ids
 
 
-def step_output(scheduled, gate: int | None):
-    """What a worker returns for a scheduled step: one sampled token per request (no draft
-    accepted), and the gate's verdict when it reports one."""
+def step_output(scheduled, gate: int | None, accepted: list[int] | None = None):
+    """What a worker returns for a scheduled step: per request its accepted drafts and one
+    token more (no draft accepted by default), and the gate's verdict when it reports one."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     from vllm_dspark.patches.admission_metrics import GATE_ATTR
 
     req_ids = list(scheduled.num_scheduled_tokens)
+    accepted = accepted or [0] * len(req_ids)
     output = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=[[9] for _ in req_ids],
+        sampled_token_ids=[[9] * (1 + n) for n in accepted],
     )
     if gate is not None:
         setattr(output, GATE_ATTR, gate)
@@ -363,3 +367,71 @@ def test_the_plain_cost_probe_closes_an_open_gate_per_new_batch_range_and_now_an
     assert [first.closes(n, n % 3 > 0) for n in sizes] == [
         other.closes(n, n % 3 > 0) for n in sizes
     ]
+
+
+def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_scheduler(
+    engine_config, model_dirs, plugin_speculator, monkeypatch
+):
+    """The acceptance gate with plain steps in a closed loop with vLLM's AsyncScheduler,
+    ordered as the engine runs them (step t + 1 is scheduled before step t's output is
+    taken in). 16 requests whose drafts are all rejected: the gate closes, and the only
+    steps that still verify drafts are its probes, one per PROBE_EVERY skipped proposals.
+    From step 150 every draft is accepted: what a probe verifies reopens the gate, and from
+    then on every step verifies drafts."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    from vllm_dspark import speculator as speculator_module
+    from vllm_dspark.patches import admission_metrics
+
+    options = {
+        "dspark_capacity": "acceptance",
+        "dspark_plain_steps": True,
+        "dspark_sps_curve": [[1, 100.0], [16, 99.0], [128, 20.0]],
+        "dspark_step_overhead_ms": 0.0,
+    }
+    scheduler = build_async_scheduler(
+        engine_config,
+        model_dirs,
+        options | {"dspark_varlen_verify": True},
+        num_blocks=512,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+    )
+    speculator = plugin_speculator(K, **options)
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
+    monkeypatch.setattr(DSparkSpeculator, "propose", lambda self, *a, **kw: None)
+    monkeypatch.setattr(speculator_module, "propose_without_drafting", lambda s, c: None)
+    update = admission_metrics._make_update_wrapper(Scheduler.update_from_output)
+    add_requests(scheduler, 16, max_tokens=600)
+    unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
+    unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
+    verified_per_step = []
+    scheduled = scheduler.schedule()
+    for step in range(300):
+        req_ids = list(scheduled.num_scheduled_tokens)
+        speculator.next_step_drafts = scheduled.num_spec_tokens_to_schedule
+        drafts = [len(scheduled.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids]
+        # What compaction verifies: the controller's depth, 0 after a skipped proposal.
+        depth = speculator.admission_budget(len(req_ids)) // len(req_ids) if any(drafts) else 0
+        verified = [min(n, depth) for n in drafts]
+        accepted = verified if step >= 150 else [0] * len(verified)
+        counts = torch.tensor([0] + [1 + n for n in verified]).cumsum(0)
+        batch = SimpleNamespace(
+            num_reqs=len(req_ids), cu_num_logits=counts, idx_mapping=torch.arange(len(req_ids))
+        )
+        speculator.propose(
+            input_batch=batch,
+            num_sampled=torch.tensor([1 + n for n in accepted]),
+            **dict.fromkeys(unused),
+        )
+        output = step_output(scheduled, speculator.take_gate_report(), accepted)
+        scheduled_next = scheduler.schedule()
+        update(scheduler, scheduled, output)
+        scheduled = scheduled_next
+        verified_per_step.append(sum(verified))
+    closed = verified_per_step[20:150]
+    probes = [step for step, n in enumerate(closed) if n]
+    assert len(probes) == 2 and probes[1] - probes[0] == PROBE_EVERY
+    reopened = next(step for step in range(150, 300) if all(verified_per_step[step:]))
+    assert reopened < 300 - 20
