@@ -222,8 +222,14 @@ def run_arm_here(spec: dict) -> None:
     llm.generate(prompts(8, 0), params, use_tqdm=False)
     speculating = speculative is not None
 
-    def admission_per_rank() -> list[AdmissionCounts]:
-        return admission_counts_per_rank(llm) if speculating else [AdmissionCounts()]
+    def counters() -> tuple:
+        """(spec-decode counts, engine steps, first tokens, their seconds, admission counts
+        per rank) so far."""
+        metrics = llm.get_metrics()
+        per_rank = admission_counts_per_rank(llm) if speculating else [AdmissionCounts()]
+        steps, _ = histogram_totals(metrics, ITERATION_TOKENS)
+        firsts, first_seconds = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
+        return SpecDecodeCounts.from_metrics(metrics), steps, firsts, first_seconds, per_rank
 
     # One arm, or (--shared-engine) several capacity arms switched in this engine.
     for name, updates in spec.get("switch") or [[None, None]]:
@@ -235,11 +241,7 @@ def run_arm_here(spec: dict) -> None:
             # compile kernels (Triton specialises on sizes), which the short runs at low
             # concurrency would otherwise count.
             llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
-            metrics = llm.get_metrics()
-            before = SpecDecodeCounts.from_metrics(metrics)
-            steps_before, _ = histogram_totals(metrics, ITERATION_TOKENS)
-            firsts_before, first_seconds_before = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
-            admitted_before = admission_per_rank()
+            before = counters()
             tok_s = []
             # Below min_requests, a repeat is several waves of ``concurrency`` requests one
             # after another: one 128-token request verifies too few drafts for its
@@ -256,16 +258,14 @@ def run_arm_here(spec: dict) -> None:
                     tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
                 tok_s.append(round(tokens / seconds, 1))
             # Counters over every repeat; throughput the median repeat's.
-            metrics = llm.get_metrics()
-            counts = SpecDecodeCounts.from_metrics(metrics) - before
-            batches = spec["repeats"] * waves
-            steps, _ = histogram_totals(metrics, ITERATION_TOKENS)
-            firsts, first_seconds = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
-            per_rank = [
-                after - before
-                for after, before in zip(admission_per_rank(), admitted_before, strict=True)
-            ]
+            after = counters()
+            counts = after[0] - before[0]
+            steps, firsts, first_seconds = (
+                a - b for a, b in zip(after[1:4], before[1:4], strict=True)
+            )
+            per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
             admitted = per_rank[0]
+            batches = spec["repeats"] * waves
             row = {
                 "concurrency": concurrency,
                 "tok_s": statistics.median(tok_s),
@@ -273,9 +273,8 @@ def run_arm_here(spec: dict) -> None:
                 "acceptance_length": counts.acceptance_length if counts.drafts else None,
                 # Prefill steps included: the tail of slow requests shows here, the prefill
                 # phase in the time to first token.
-                "engine_steps_per_batch": (steps - steps_before) / batches,
-                "mean_ttft_s": (first_seconds - first_seconds_before)
-                / max(firsts - firsts_before, 1),
+                "engine_steps_per_batch": steps / batches,
+                "mean_ttft_s": first_seconds / max(firsts, 1),
                 # Per request and step, compacted steps only (else all K).
                 "admitted_per_req": admitted.admitted_per_request if speculating else None,
                 "admission": asdict(admitted),
