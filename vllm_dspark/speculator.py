@@ -185,8 +185,7 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
         slots = input_batch.idx_mapping
         drafting = True
         if real_step:
-            self._observe_verification(input_batch, slots, call["num_sampled"])
-            self.observe_step(input_batch.num_reqs)
+            self.observe_real_step(input_batch, call["num_sampled"])
             if self.physical_depth is not None:
                 self._use_depth(self.physical_depth.depth)
             drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
@@ -209,13 +208,14 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
         self.survival[: call["input_batch"].num_reqs] = UNCOMPUTED_SURVIVAL
         return drafts
 
-    def _observe_verification(self, input_batch, slots, num_sampled) -> None:
-        """What the step just verified, the drafts each slot proposed last step, feeds the
-        calibration metrics, online STS and the acceptance controller."""
+    def _observe_verification(self, input_batch, num_sampled) -> None:
+        """Also feeds the calibration metrics and online STS: each slot's drafts proposed
+        last step against what this step verified and accepted of them."""
         if self.acceptance is None and self.calibration is None and self.online_sts is None:
             return
         num_verified, num_accepted = verification_counts(input_batch.cu_num_logits, num_sampled)
         self.record_verification(num_verified, num_accepted)
+        slots = input_batch.idx_mapping
         if self.calibration is not None:
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         if self.online_sts is not None:
@@ -304,13 +304,10 @@ class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
         real_step = not call.get("dummy_run", False)
         drafting = True
-        if self.acceptance is not None and real_step:
-            input_batch = call["input_batch"]
-            counts = verification_counts(input_batch.cu_num_logits, call["num_sampled"])
-            self.record_verification(*counts)
-            self.observe_step(input_batch.num_reqs)
-            drafting = self.plan_proposal(input_batch.num_reqs, self.num_speculative_steps)
         if real_step:
+            input_batch = call["input_batch"]
+            self.observe_real_step(input_batch, call["num_sampled"])
+            drafting = self.plan_proposal(input_batch.num_reqs, self.num_speculative_steps)
             self.drafted_last = drafting
         if drafting:
             return super().propose(*args, **kwargs)

@@ -30,6 +30,7 @@ from vllm_dspark.capacity.allocation import (
     sps_best_count,
     sps_table_from_curve,
     threshold_count,
+    verification_counts,
 )
 from vllm_dspark.capacity.draft_gate import (
     DraftGate,
@@ -295,6 +296,17 @@ class CapacityControl:
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
         self.sps_table_host = sps_table_from_curve(curve, max_tokens).double()
         self.sps_table = self.sps_table_host.float().to(device)
+
+    def observe_real_step(self, input_batch, num_sampled: torch.Tensor) -> None:
+        """At a real proposal: what the step that just ran verified, and its time."""
+        self._observe_verification(input_batch, num_sampled)
+        self.observe_step(input_batch.num_reqs)
+
+    def _observe_verification(self, input_batch, num_sampled: torch.Tensor) -> None:
+        """The step's verified and accepted drafts per request, for the acceptance
+        controller."""
+        if self.acceptance is not None:
+            self.record_verification(*verification_counts(input_batch.cu_num_logits, num_sampled))
 
     def observe_step(self, num_reqs: int) -> None:
         """At a real proposal, for ``sps``: the step that just ran is one sample of the
