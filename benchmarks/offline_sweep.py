@@ -16,12 +16,13 @@ conditional rates and accepts each draft with its confidence
 (``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have
 no confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with
 real verification (DSpark arms only), on windows of its held-out text (``--prompts``).
-``--shared-engine`` runs the DSpark capacity arms in one engine, started with what they
-all need and switched between arms (:mod:`vllm_dspark.engine_control`); their rows name
-that engine. ``--tensor-parallel-size`` runs every engine on that many GPUs; each
-speculating row then says whether every rank's admissions were identical
-(``ranks_agree``: the ranks must verify the same batches). The JSON is written after
-every engine, so a later failure keeps the rows already measured.
+``--shared-engine`` runs the capacity arms of each method (DSpark, DFlash) in one engine,
+started with what they all need and switched between arms
+(:mod:`vllm_dspark.engine_control`); their rows name that engine.
+``--tensor-parallel-size`` runs every engine on that many GPUs; each speculating row
+then says whether every rank's admissions were identical (``ranks_agree``: the ranks
+must verify the same batches). The JSON is written after every engine, so a later
+failure keeps the rows already measured.
 """
 
 from __future__ import annotations
@@ -98,6 +99,20 @@ ARMS = {
         "method": "dflash",
         "dspark_capacity": "acceptance",
         "dspark_varlen_verify": True,
+        "dspark_plain_steps": True,
+    },
+    # ... whose drafter samples only the positions the next step verifies.
+    "dflash-depth": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+    },
+    "dflash-depth-plain": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
         "dspark_plain_steps": True,
     },
 }
@@ -289,9 +304,12 @@ def run_arm_here(spec: dict) -> None:
 
 
 def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, list]:
-    """Start-up options that prepare every capacity arm (compaction, depth graphs, the
-    SPS profile) and, per arm, the options switched to (``dspark_`` prefix dropped)."""
+    """Start-up options that prepare every capacity arm of one method (compaction, depth
+    graphs, the SPS profile) and, per arm, the options switched to (``dspark_`` prefix
+    dropped)."""
     start = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True}
+    if ARMS[arms[0]].get("method") == "dflash":
+        start |= {"method": "dflash", "dspark_capacity": "acceptance"}
     if any(ARMS[arm].get("dspark_plain_steps") for arm in arms):
         start["dspark_plain_steps"] = True  # its one-token decode graphs are captured at start
     if sps_curve:
@@ -300,7 +318,8 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
     for arm in arms:
         # Options an arm leaves out go back to their defaults (dynamic_depth off): naming
         # dynamic_depth for the acceptance arm would be refused, as that mode never reads it.
-        updates = {key.removeprefix("dspark_"): value for key, value in ARMS[arm].items()}
+        options = ARMS[arm].items()
+        updates = {key.removeprefix("dspark_"): value for key, value in options if key != "method"}
         if arm.startswith("sps") and sps_curve:
             updates["sps_curve"] = sps_curve
         switch.append([arm, updates])
@@ -308,8 +327,7 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
 
 
 def is_capacity_arm(arm: str) -> bool:
-    options = ARMS[arm]
-    return bool(options) and "dspark_capacity" in options and "method" not in options
+    return "dspark_capacity" in (ARMS[arm] or {})
 
 
 def main() -> int:
@@ -370,9 +388,11 @@ def main() -> int:
     arms = args.arms.split(",")
     runs = [[arm, ARMS[arm], None] for arm in arms]  # [label, start-up options, switches]
     shared = [arm for arm in arms if args.shared_engine and is_capacity_arm(arm)]
-    if shared:
-        runs = [run for run in runs if run[0] not in shared]
-        runs.append(["+".join(shared), *shared_engine_plan(shared, curve)])
+    runs = [run for run in runs if run[0] not in shared]
+    for method in ("dspark", "dflash"):
+        group = [arm for arm in shared if ARMS[arm].get("method", "dspark") == method]
+        if group:
+            runs.append(["+".join(group), *shared_engine_plan(group, curve)])
     if args.bracket:
         runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"

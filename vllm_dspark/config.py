@@ -123,7 +123,8 @@ class DSparkOptions(BaseModel):
     Sequential Temperature Scaling)."""
 
     dynamic_depth: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
-    """Compute only as many sequential draft positions as recent load admits."""
+    """Compute only as many draft positions as recent load admits (``acceptance``: the
+    depth the next step verifies)."""
 
     varlen_verify: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Verify only the admitted drafts, packed without padding (compact variable-length
@@ -210,7 +211,7 @@ class DSparkOptions(BaseModel):
             "step_overhead_ms": ("sps", "acceptance"),
             "confidence_temperature": CONFIDENCE_MODES,
             "online_sts": CONFIDENCE_MODES,
-            "dynamic_depth": CONFIDENCE_MODES,
+            "dynamic_depth": (*CONFIDENCE_MODES, "acceptance"),
             "varlen_verify": (*CONFIDENCE_MODES, "acceptance"),
             "plain_steps": ("sps", "acceptance"),
             "gate_objective": ("sps",),

@@ -100,7 +100,7 @@ class AdmissionCounts:
     steps: int = 0
     graph_steps: int = 0  # of those steps, replayed from a FULL CUDA graph
     depth: int = 0  # sequential positions the drafter computes now (a gauge)
-    depth_changes: int = 0  # dspark_dynamic_depth's changes of depth
+    depth_changes: int = 0  # changes of the depth drafted (dynamic depth) or verified
     proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
     fingerprint: int = 0  # hash of every compacted step's admissions (ranks must agree)
     # sps: the step's time outside the SPS curve now (gauges, capacity/step_overhead.py)
@@ -146,7 +146,7 @@ def _worker_admission(worker) -> dict:
         "steps": getattr(speculator, "compacted_steps", 0),
         "graph_steps": getattr(speculator, "graph_steps", 0),
         "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
-        "depth_changes": getattr(getattr(speculator, "physical_depth", None), "changes", 0),
+        "depth_changes": getattr(speculator, "depth_changes", 0),
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
         "fingerprint": getattr(speculator, "admission_fingerprint", 0),
         **_overhead(getattr(speculator, "step_overhead", None)),

@@ -88,7 +88,64 @@ def propose_without_drafting(speculator, call: dict) -> torch.Tensor:
     return speculator.draft_tokens[:num_reqs]
 
 
-class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator):
+class DepthGraphs:
+    """Mixed into a speculator with ``dspark_dynamic_depth``: one draft graph manager per
+    depth d = 1..K, each capturing a proposal that computes d positions (the speculator's
+    drafting reads ``draft_depth``), so switching depth replays another graph and never
+    recaptures. Eager proposals (batches past the largest graph) read it too."""
+
+    _depth_graphs: dict[int, DFlashCudaGraphManager]
+
+    def _init_draft_graph_managers(self, cudagraph_mode) -> None:
+        super()._init_draft_graph_managers(cudagraph_mode)
+        if not self.options.dynamic_depth:
+            return
+        full = self.query_cudagraph_manager
+        self._depth_graphs = {
+            depth: DFlashCudaGraphManager(
+                self.vllm_config,
+                self.device,
+                full.cudagraph_mode,
+                decode_query_len=self.num_query_per_req,
+            )
+            for depth in range(1, self.num_speculative_steps)
+        }
+        self._depth_graphs[self.num_speculative_steps] = full
+
+    def capture(self) -> None:
+        if not self._depth_graphs:
+            super().capture()
+        else:
+            for depth in self._depth_graphs:
+                self._use_depth(depth)
+                super().capture()
+            self._use_depth(self.num_speculative_steps)
+        self.capture_context_kv(self.query_cudagraph_manager.pool)
+
+    def switch_capacity(self, updates: dict) -> DSparkOptions:
+        options = super().switch_capacity(updates)
+        if self._depth_graphs:
+            self._use_depth(self.num_speculative_steps)
+        return options
+
+    def draft_graph_managers(self) -> dict:
+        """One per depth with dynamic depth, else the full depth's."""
+        if self._depth_graphs:
+            return dict(self._depth_graphs)
+        return super().draft_graph_managers()
+
+    def _use_depth(self, depth: int) -> None:
+        self.draft_depth = depth
+        self.query_cudagraph_manager = self._depth_graphs[depth]
+
+    def _plan_depth(self, num_reqs: int) -> None:
+        """Before a real proposal: the depth it computes (:meth:`proposal_depth`)."""
+        depth = self.proposal_depth(num_reqs)
+        if self._depth_graphs:
+            self._use_depth(depth)
+
+
+class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
@@ -107,53 +164,10 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
                 options.synthetic_confidence[: self.num_speculative_steps], device
             )
             self.temperatures = torch.ones(self.num_speculative_steps, device=device)
-        self._init_capacity(vllm_config, device)
-        # Sequential positions computed per proposal (dspark_dynamic_depth), and one draft
-        # graph manager per depth: switching depth replays another graph, never recaptures.
+        # Sequential positions computed per proposal (dspark_dynamic_depth: DepthGraphs).
         self.draft_depth = self.num_speculative_steps
-        self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
-
-    def _init_draft_graph_managers(self, cudagraph_mode) -> None:
-        super()._init_draft_graph_managers(cudagraph_mode)
-        if self.physical_depth is None:
-            return
-        full = self.query_cudagraph_manager
-        self._depth_graphs = {
-            depth: DFlashCudaGraphManager(
-                self.vllm_config,
-                self.device,
-                full.cudagraph_mode,
-                decode_query_len=self.num_query_per_req,
-            )
-            for depth in range(1, self.num_speculative_steps)
-        }
-        self._depth_graphs[self.num_speculative_steps] = full
-
-    def capture(self) -> None:
-        if self.physical_depth is None:
-            super().capture()
-        else:
-            for depth in self._depth_graphs:
-                self._use_depth(depth)
-                super().capture()
-            self._use_depth(self.physical_depth.depth)
-        self.capture_context_kv(self.query_cudagraph_manager.pool)
-
-    def switch_capacity(self, updates: dict) -> DSparkOptions:
-        options = super().switch_capacity(updates)
-        if self._depth_graphs:
-            self._use_depth(self.num_speculative_steps)
-        return options
-
-    def draft_graph_managers(self) -> dict:
-        """One per depth with dynamic depth, else the full depth's."""
-        if self._depth_graphs:
-            return dict(self._depth_graphs)
-        return super().draft_graph_managers()
-
-    def _use_depth(self, depth: int) -> None:
-        self.draft_depth = depth
-        self.query_cudagraph_manager = self._depth_graphs[depth]
+        self._depth_graphs = {}
+        self._init_capacity(vllm_config, device)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
@@ -186,8 +200,7 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
         drafting = True
         if real_step:
             self.observe_real_step(input_batch, call["num_sampled"])
-            if self.physical_depth is not None:
-                self._use_depth(self.physical_depth.depth)
+            self._plan_depth(input_batch.num_reqs)
             drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
             if drafting and self.slowest_request is not None:
                 self.slowest_request.start(input_batch.req_ids, input_batch.idx_mapping_np)
@@ -293,11 +306,14 @@ class DSparkPluginSpeculator(GraphedContextKV, CapacityControl, DSparkSpeculator
                 self.survival[:num_reqs, depth:] = UNCOMPUTED_SURVIVAL
 
 
-class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator):
+class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFlashSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
-        self.draft_depth = self.num_speculative_steps  # DFlash computes every position
+        # Positions whose drafts are sampled (dspark_dynamic_depth with acceptance: the
+        # depth the next step verifies; else every position).
+        self.draft_depth = self.num_speculative_steps
+        self._depth_graphs = {}
         self._init_capacity(vllm_config, device)
 
     def propose(self, *args, **kwargs):
@@ -307,7 +323,8 @@ class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator
         if real_step:
             input_batch = call["input_batch"]
             self.observe_real_step(input_batch, call["num_sampled"])
-            drafting = self.plan_proposal(input_batch.num_reqs, self.num_speculative_steps)
+            self._plan_depth(input_batch.num_reqs)
+            drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
             self.drafted_last = drafting
         if drafting:
             return super().propose(*args, **kwargs)
@@ -318,9 +335,38 @@ class DFlashPluginSpeculator(GraphedContextKV, CapacityControl, DFlashSpeculator
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
         return model
 
-    def capture(self) -> None:
-        super().capture()
-        self.capture_context_kv(self.query_cudagraph_manager.pool)
+    def _generate_draft(self, num_reqs, num_tokens_padded, *args, **kwargs) -> None:
+        """Stock's parallel block forward; then, at a depth d below K, the LM head and
+        sampling over the first d positions of each request only (DFlash's costliest
+        per-position work at a large batch: R*K rows against the vocabulary). The block
+        keeps its K mask tokens, so the d drafts are the ones full depth would draw.
+        Positions d..K-1 repeat the last draft, recorded as drawn from a point mass on it
+        (see :func:`point_mass_draws`): only a step vLLM verifies uncompacted reads them."""
+        depth, num_drafts = self.draft_depth, self.num_speculative_steps
+        if depth == num_drafts:
+            return super()._generate_draft(num_reqs, num_tokens_padded, *args, **kwargs)
+        hidden = self._run_model(num_tokens_padded, *args, **kwargs)
+        num_rows = num_reqs * num_drafts
+
+        def leading(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer[:num_rows].view(num_reqs, num_drafts)[:, :depth].reshape(-1)
+
+        # As stock: sample_pos is the drafted token's position; sample_draft adds one.
+        tokens = self.sample_draft(
+            hidden[leading(self.sample_indices)],
+            leading(self.sample_pos) - 2,
+            leading(self.sample_idx_mapping),
+            self.temperature,
+            self.seeds,
+            leading(self.sample_col),
+            self.draft_logits,
+        ).view(num_reqs, depth)
+        last = tokens[:, -1]
+        self.draft_tokens[:num_reqs, :depth] = tokens
+        self.draft_tokens[:num_reqs, depth:] = last.unsqueeze(1)
+        if self.draft_logits is not None:
+            slots = self.sample_idx_mapping[:num_rows].view(num_reqs, num_drafts)[:, 0]
+            point_mass_draws(self.draft_logits, slots, last, first=depth)
 
     def sample_draft(
         self, hidden_states, positions, idx_mapping, temperature, seeds, draft_step, draft_logits

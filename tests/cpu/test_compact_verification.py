@@ -247,6 +247,12 @@ def test_acceptance_depth_follows_the_load_on_the_sps_curve():
     assert best_depth(survival, 256, table) == 1
     # A step's time outside the curve makes drafts cheaper relative to the step.
     assert best_depth(survival, 256, table, fixed_s=0.008) > 1
+    # So does a proposal's own time: the same for every depth...
+    at_64 = best_depth(survival, 64, table)
+    assert best_depth(survival, 64, table, draft_s=0.008) > at_64
+    # ... while one that grows with the depth computed (dynamic depth) makes it shallower.
+    growing = 0.002 * np.arange(1, K + 1)
+    assert best_depth(survival, 64, table, draft_s=growing) < at_64
 
 
 def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
@@ -477,7 +483,6 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     curves, draft_costs = [], []
     speculator = SimpleNamespace(
         needs_sps_profile=True,
-        gates_drafting=True,
         set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
         draft_graph_managers=lambda: {1: "depth-1 graphs", 7: "draft graphs"},
         set_draft_cost=draft_costs.append,
@@ -497,10 +502,6 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     assert draft_costs == [{1: [(1, 0.2)], 7: [(1, 0.5), (8, 1.0)]}]
     assert not speculator.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
-    # acceptance without plain steps takes the curve alone (it has no draft gate).
-    speculator.needs_sps_profile, speculator.gates_drafting = True, False
-    capture(runner)
-    assert len(curves) == 2 and len(draft_costs) == 1
     table = sps_table_from_curve(curves[0][0], 64)
     assert table[36].item() == pytest.approx(187.5)
     # No graph to time: a start-up error naming the option.

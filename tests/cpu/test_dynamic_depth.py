@@ -1,4 +1,5 @@
-"""Dynamic physical depth in the DSpark drafter and in admission (CPU, fake draft model)."""
+"""Dynamic physical depth in the DSpark and DFlash drafters and in admission (CPU, fake
+draft models)."""
 
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import torch
 
 from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, budget_capacity
 from vllm_dspark.capacity.physical_depth import WINDOW_STEPS
-from vllm_dspark.speculator import DSparkPluginSpeculator
+from vllm_dspark.speculator import DFlashPluginSpeculator, DSparkPluginSpeculator
 
 K, R, H, V = 7, 3, 8, 50
 
@@ -69,6 +70,105 @@ def test_a_shallow_proposal_drafts_the_same_leading_tokens_and_admits_nothing_be
     survival[0, :2] = 0.0  # underflowed survivals still rank above uncomputed ones
     for budget in range(1, R * 2 + 1):
         assert (budget_capacity(survival, budget) <= 2).all()
+
+
+def fake_dflash(depth: int, probabilistic: bool):
+    """Just what DFlash's ``_generate_draft`` reads below full depth: a block forward
+    returning fixed hidden states, sampling buffers laid out as stock's input kernel lays
+    them out (per request, K rows of its mask tokens), and a sampler drawing the argmax of
+    a linear LM head, recording the draft's logits at its column when asked to."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(R * (K + 1), H, generator=gen)
+    lm_head = torch.randn(V, H, generator=gen)
+    rows_seen = []
+
+    def sample_draft(states, positions, idx_mapping, temperature, seeds, cols, draft_logits):
+        rows_seen.append(states.shape[0])
+        logits = states @ lm_head.T
+        if draft_logits is not None:
+            draft_logits[idx_mapping.long(), cols.long()] = logits
+        return logits.argmax(dim=-1)
+
+    slots = torch.tensor([4, 0, 2])  # request slots of the batch rows
+    return SimpleNamespace(
+        num_speculative_steps=K,
+        draft_depth=depth,
+        _run_model=lambda num_tokens, *args, **kwargs: hidden[:num_tokens],
+        sample_indices=(torch.arange(R)[:, None] * (K + 1) + torch.arange(1, K + 1)).flatten(),
+        sample_pos=torch.arange(R * K) + 10,
+        sample_idx_mapping=slots.repeat_interleave(K).int(),
+        sample_col=torch.arange(K, dtype=torch.int32).repeat(R),
+        temperature=None,
+        seeds=None,
+        sample_draft=sample_draft,
+        draft_logits=torch.zeros(5, K, V) if probabilistic else None,
+        draft_tokens=torch.full((R, K), -1, dtype=torch.long),
+        rows_seen=rows_seen,
+        slots=slots,
+    )
+
+
+@pytest.mark.parametrize("probabilistic", [False, True])
+def test_a_shallow_dflash_proposal_samples_only_the_positions_it_will_verify(probabilistic):
+    full, shallow = fake_dflash(K, probabilistic), fake_dflash(2, probabilistic)
+    # Full depth is stock's sampling over every row; the plugin's path is the shallow one.
+    rows = full.sample_indices
+    full.draft_tokens[:] = full.sample_draft(
+        full._run_model(R * (K + 1))[rows],
+        None,
+        full.sample_idx_mapping,
+        None,
+        None,
+        full.sample_col,
+        full.draft_logits,
+    ).view(R, K)
+    DFlashPluginSpeculator._generate_draft(shallow, R, R * (K + 1), None, None, None)
+    # The LM head ran over R * depth rows, and drew the drafts full depth draws there.
+    assert full.rows_seen == [R * K] and shallow.rows_seen == [R * 2]
+    assert torch.equal(shallow.draft_tokens[:, :2], full.draft_tokens[:, :2])
+    # Beyond the depth: the last draft again, a valid token id.
+    assert torch.equal(shallow.draft_tokens[:, 2:], shallow.draft_tokens[:, 1:2].expand(R, 5))
+    if probabilistic:
+        slots = shallow.slots
+        logits = shallow.draft_logits[slots]
+        # (The same rows through a smaller matmul: equal up to float rounding.)
+        torch.testing.assert_close(logits[:, :2], full.draft_logits[slots][:, :2])
+        # Positions not computed are recorded as drawn from a point mass on their token.
+        beyond = logits[:, 2:]
+        assert (beyond.max(dim=-1).values == 0).all()
+        assert torch.equal(beyond.argmax(dim=-1), shallow.draft_tokens[:, 2:])
+        assert torch.isinf(beyond).sum() == R * 5 * (V - 1)
+
+
+def test_acceptance_with_dynamic_depth_drafts_the_depth_the_next_step_verifies(
+    plugin_speculator,
+):
+    from vllm_dspark.capacity.allocation import verification_counts
+
+    speculator = plugin_speculator(
+        K,
+        method="dflash",
+        dspark_capacity="acceptance",
+        dspark_dynamic_depth=True,
+        # Collapses beyond 6 tokens per step: at 3 requests one draft each is best.
+        dspark_sps_curve=[[1, 1000.0], [6, 100.0], [9, 10.0], [64, 1.0]],
+        dspark_step_overhead_ms=0.0,
+    )
+    assert speculator.physical_depth is None  # the acceptance controller sets the depth
+    batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 8, 16, 24]))
+    counts = verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3]))
+    planned = []
+    for _ in range(3):
+        planned.append(speculator.proposal_depth(3))
+        speculator.draft_depth = planned[-1]  # as _plan_depth does with depth graphs
+        speculator.record_verification(*counts)
+        # The step after verifies just the depth drafted, however often it asks.
+        assert speculator.admission_budget(3) == speculator.admission_budget(3) == 3 * planned[-1]
+    assert planned == [1, 1, 1]
+    assert speculator.depth_changes == 1  # K, then 1
+    # Without dynamic depth the drafter computes every position.
+    fixed = plugin_speculator(K, method="dflash", dspark_capacity="acceptance")
+    assert fixed.proposal_depth(3) == K
 
 
 @pytest.mark.parametrize("frac,expected", [(1.0, 3 * 2), (0.2, 5)])
@@ -144,6 +244,30 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(plugin_sp
     assert speculator.step_overhead.seconds == 0.002 and not speculator.step_overhead.measuring
     speculator.switch_capacity({"capacity": "sps"})
     assert speculator.step_overhead is measured
+
+
+def test_one_dflash_engine_switches_between_its_acceptance_arms(plugin_speculator):
+    import importlib
+
+    from offline_sweep import ARMS, shared_engine_plan
+
+    from vllm_dspark.patches import compact_verification
+
+    importlib.import_module(compact_verification.RUNNER_MODULE)
+    compact_verification.apply()
+    arms = ["dflash-acceptance", "dflash-depth", "dflash-plain", "dflash-depth-plain"]
+    start, switches = shared_engine_plan(arms, None)
+    assert start.pop("method") == "dflash"
+    start["dspark_sps_curve"] = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    speculator = plugin_speculator(K, method="dflash", **start)
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
+    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
+    for arm, updates in switches:
+        options = speculator.switch_capacity(updates)
+        assert options.capacity == "acceptance", arm
+        assert options.dynamic_depth == ARMS[arm].get("dspark_dynamic_depth", False), arm
+        assert options.plain_steps == ARMS[arm].get("dspark_plain_steps", False), arm
+        assert speculator.physical_depth is None and speculator.draft_depth == K
 
 
 def test_uncomputed_positions_are_point_masses_on_their_token():

@@ -346,11 +346,11 @@ def test_an_option_at_its_default_is_accepted_with_any_mode():
     # What a running engine's capacity switch sends (the pair arms test): dynamic depth
     # turned off while switching to a mode that has none. H200 at c6d6210: refused.
     options = DSparkOptions.model_validate(
-        {"capacity": "acceptance", "plain_steps": True, "dynamic_depth": False}
+        {"capacity": "budget", "plain_steps": False, "dynamic_depth": False}
     )
-    assert options.non_default() == {"capacity": "acceptance", "plain_steps": True}
-    with pytest.raises(ValueError, match="dspark_dynamic_depth only applies with"):
-        DSparkOptions.model_validate({"capacity": "acceptance", "dynamic_depth": True})
+    assert options.non_default() == {"capacity": "budget"}
+    with pytest.raises(ValueError, match="dspark_plain_steps only applies with"):
+        DSparkOptions.model_validate({"capacity": "budget", "plain_steps": True})
 
 
 def test_options_are_carried_in_the_engine_config(engine_config, model_dirs):

@@ -38,8 +38,8 @@
 #            speculation (vLLM; two engines, float32)
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
 #   dflash   DFlash fixed k=7 against its acceptance-length controller (without and with
-#            plain steps) and no speculation, Qwen3-8B shape, vLLM's synthetic acceptance
-#            (vLLM; four engines, ~9 min)
+#            dynamic depth and plain steps, one shared engine) and no speculation, Qwen3-8B
+#            shape, vLLM's synthetic acceptance (vLLM; three engines, ~9 min)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
@@ -123,10 +123,12 @@ case "$stage" in
     ;;
   capacity-qwen3)
     vllm_env
+    # 32 requests per repeat at least: at one request, 16 requests' synthetic acceptance
+    # draws moved an arm's throughput by +-7% between repeats (06f3fff).
     timeout 1300 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
       --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain --shared-engine \
-      --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet | tee "$OUT/$stage.log" \
-      | tail -30
+      --min-requests 32 --concurrency 1,16,64,256 --out "$OUT/$stage.json" 2>&1 | quiet \
+      | tee "$OUT/$stage.log" | tail -30
     ;;
   depth)
     vllm_env
@@ -177,7 +179,9 @@ case "$stage" in
     ;;
   dflash)
     vllm_env
-    timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms nospec,dflash,dflash-acceptance,dflash-plain \
+    # The acceptance arms share one engine (started with depth graphs and plain steps).
+    timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine \
+      --arms nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain \
       --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
       | tee "$OUT/dflash.log" | tail -14
     ;;

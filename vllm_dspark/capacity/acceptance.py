@@ -19,9 +19,11 @@ What it picks:
 - with the target's SPS curve (``dspark_sps_curve``, profiled at start-up by default):
   the depth of most expected tokens per second at the step's R requests,
 
-      R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + O + a R + b R d),
+      R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + D_d(R) + O + a R + b R d),
 
-  O, a and b the step's time outside the curve (:mod:`step_overhead`; 0 until fitted).
+  O, a and b the step's time outside the curve (:mod:`step_overhead`; 0 until fitted),
+  D_d(R) the proposal's profiled time (at depth d with ``dspark_dynamic_depth``, which
+  then computes only the d positions verified; 0 when not profiled).
   At light load verifying K drafts costs about what verifying one does, so d = K (fixed
   k=7 beat a length rule by 1.3x at 1 and 16 requests, DFlash on the H200); under load
   d shrinks.
@@ -65,14 +67,15 @@ def best_depth(
     sps_table: torch.Tensor,
     fixed_s: float = 0.0,
     per_draft_s: float = 0.0,
+    draft_s: np.ndarray | float = 0.0,
 ) -> int:
     """The d in 1..K of most expected tokens per second (the module's formula), ``fixed_s``
-    being O + a R at this batch."""
+    being O + a R at this batch and ``draft_s`` D_1(R)..D_K(R) (or one time for all)."""
     depths = np.arange(1, len(survival) + 1)
     expected = 1.0 + np.cumsum(survival)
     tokens = np.minimum(num_reqs * (1 + depths), len(sps_table) - 1)
     forward = 1.0 / sps_table.double().numpy()[tokens]
-    step = forward + fixed_s + per_draft_s * num_reqs * depths
+    step = forward + draft_s + fixed_s + per_draft_s * num_reqs * depths
     return int(depths[np.argmax(expected / step)])
 
 
@@ -82,6 +85,7 @@ class AcceptanceDepth:
     depth: int = field(init=False)
     reached: np.ndarray = field(init=False)
     accepted: np.ndarray = field(init=False)
+    changes: int = field(default=0, init=False)
     _since_climb: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -113,7 +117,9 @@ class AcceptanceDepth:
         self._since_climb += 1
         if target < self.depth:
             self.depth = target
+            self.changes += 1
         elif target > self.depth and self._since_climb >= WINDOW_STEPS:
             self.depth += 1
+            self.changes += 1
             self._since_climb = 0
         return self.depth

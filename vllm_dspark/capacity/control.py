@@ -19,6 +19,7 @@ With ``sps`` and its curve profiled at start-up, the drafter's time is profiled 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
@@ -37,6 +38,7 @@ from vllm_dspark.capacity.draft_gate import (
     SlowestRequest,
     SurvivalAverage,
     draft_seconds_table,
+    proposal_seconds,
 )
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
@@ -132,6 +134,7 @@ class CapacityControl:
         # Whether to draft at all (sps with profiled costs), and whether the last proposal
         # did: the step verifying a skipped proposal verifies nothing.
         self.profiled_draft_ms = getattr(self, "profiled_draft_ms", None)
+        self.draft_tables: dict[int, torch.Tensor] = {}  # seconds per proposal, per depth
         self.draft_gate = None
         self.slowest_request: SlowestRequest | None = None  # gate_objective=batch
         self.drafted_last = True
@@ -153,9 +156,10 @@ class CapacityControl:
             self.position_counts_read = 0
         if auto_sps and self.profiled_draft_ms is not None:
             self.set_draft_cost(self.profiled_draft_ms)
-        # dynamic_depth: sequential positions the drafter computes, from recent admissions.
+        # dynamic_depth: sequential positions the drafter computes, from recent admissions
+        # (acceptance: the depth it will verify, planned before each proposal).
         self.physical_depth = None
-        if options.dynamic_depth:
+        if options.dynamic_depth and self.acceptance is None:
             self.physical_depth = PhysicalDepth(num_drafts)
             self.stale_max_admitted = StalePerRequest(device, float(num_drafts))
         # k_r of the step being prepared, copied to the host for vLLM's statistics
@@ -215,16 +219,16 @@ class CapacityControl:
 
     def set_draft_cost(self, rows_by_depth: dict[int, list[tuple[int, float]]]) -> None:
         """{depth: [(requests, ms)]} of one proposal, profiled at start-up per depth whose
-        graphs exist: opens the draft gate."""
+        graphs exist: a step's time includes its proposal's, and it opens the draft gate."""
         self.profiled_draft_ms = rows_by_depth
-        tables = {
+        self.draft_tables = {
             depth: draft_seconds_table(rows, self.max_num_reqs)
             for depth, rows in rows_by_depth.items()
             if rows
         }
-        if not self.gates_drafting or self.sps_table_host is None or not tables:
+        if not self.gates_drafting or self.sps_table_host is None or not self.draft_tables:
             return
-        self.draft_gate = DraftGate(self.sps_table_host, tables)
+        self.draft_gate = DraftGate(self.sps_table_host, self.draft_tables)
         if self.acceptance is not None:
             return  # the gate reads the acceptance observed per position
         # Recent prefix survival per position of the mean request, or (gate_objective=batch)
@@ -326,11 +330,14 @@ class CapacityControl:
         self.step_overhead.observe(drafts, forward, draft_s, num_reqs, skipped, plain)
 
     def _draft_seconds(self, num_reqs: int) -> float:
-        """The profiled time of a proposal at the current depth (0 when the last one was
-        skipped or nothing was profiled)."""
-        if self.draft_gate is None or not self.drafted_last:
+        """The profiled time of the last proposal (0 when it was skipped)."""
+        return self._proposal_seconds(num_reqs, self.draft_depth) if self.drafted_last else 0.0
+
+    def _proposal_seconds(self, num_reqs: int, depth: int) -> float:
+        """The profiled time of a proposal computing ``depth`` positions (0 unprofiled)."""
+        if not self.draft_tables:
             return 0.0
-        return self.draft_gate.proposal_seconds(min(num_reqs, self.max_num_reqs), self.draft_depth)
+        return proposal_seconds(self.draft_tables, min(num_reqs, self.max_num_reqs), depth)
 
     def admission_budget(self, num_reqs: int) -> int:
         """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
@@ -343,8 +350,10 @@ class CapacityControl:
             cap = min(cap, num_reqs * self.draft_depth)
         measuring = self.step_overhead is not None and self.step_overhead.measuring
         if self.acceptance is not None:
+            # With dynamic depth the proposal computed the depth planned for this step.
+            dynamic = self.options.dynamic_depth
+            depth = self.draft_depth if dynamic else self._acceptance_depth(num_reqs)
             # Varied per request, so that every request still verifies the same depth.
-            depth = self._acceptance_depth(num_reqs)
             return num_reqs * (self._vary_admission(depth) if measuring else depth)
         if self.stale_budget is None:
             return cap
@@ -353,9 +362,25 @@ class CapacityControl:
         budget = max(1, min(cap, wanted))
         return self._vary_admission(budget) if measuring else budget
 
+    def proposal_depth(self, num_reqs: int) -> int:
+        """Before a real proposal: the positions it computes. With dynamic depth, DSpark's
+        confidence modes follow recent admissions (:mod:`physical_depth`); acceptance plans
+        here, once per step, the depth the next step verifies, and computes just that."""
+        if not self.options.dynamic_depth:
+            return self.num_speculative_steps
+        if self.acceptance is not None:
+            return self._acceptance_depth(num_reqs)
+        return self.physical_depth.depth
+
+    @property
+    def depth_changes(self) -> int:
+        """Changes of the depth drafted (dynamic depth) or verified (acceptance)."""
+        controller = self.physical_depth or self.acceptance
+        return controller.changes if controller is not None else 0
+
     def _acceptance_depth(self, num_reqs: int) -> int:
-        """acceptance: the depth every request verifies this step, after taking in the
-        newest verified step's counts."""
+        """acceptance: the depth every request verifies, after taking in the newest
+        verified step's counts."""
         self._observe_acceptance()
         if self.sps_table_host is None:
             return self.acceptance.update(self.acceptance.length_target())
@@ -363,8 +388,13 @@ class CapacityControl:
         overhead = self.step_overhead
         if overhead.ready:
             fixed, per_draft = overhead.per_step_seconds(num_reqs), overhead.per_draft_seconds
+        if self.options.dynamic_depth:  # a shallower proposal costs less
+            depths = range(1, self.num_speculative_steps + 1)
+            draft = np.array([self._proposal_seconds(num_reqs, d) for d in depths])
+        else:
+            draft = self._proposal_seconds(num_reqs, self.num_speculative_steps)
         target = best_depth(
-            self.acceptance.survival(), num_reqs, self.sps_table_host, fixed, per_draft
+            self.acceptance.survival(), num_reqs, self.sps_table_host, fixed, per_draft, draft
         )
         return self.acceptance.update(target)
 

@@ -131,6 +131,15 @@ def draft_seconds_table(rows: list[tuple[int, float]], max_num_reqs: int) -> tor
     return torch.from_numpy(seconds)
 
 
+def proposal_seconds(tables: dict[int, torch.Tensor], num_reqs: int, depth: int) -> float:
+    """D(R) of a proposal computing ``depth`` positions, from {depth: seconds per proposal
+    at R requests} of the depths whose graphs were timed: the shallowest timed depth that
+    computes as many (the deepest if none does)."""
+    timed = sorted(tables)
+    chosen = next((d for d in timed if d >= depth), timed[-1])
+    return float(tables[chosen][num_reqs])
+
+
 @dataclass
 class DraftGate:
     sps_table: torch.Tensor  # steps per second at T tokens per step, T = 0..R_max (1 + K)
@@ -140,11 +149,7 @@ class DraftGate:
     skipped_in_a_row: int = 0
 
     def proposal_seconds(self, num_reqs: int, depth: int) -> float:
-        """D(R) of a proposal computing ``depth`` positions: the shallowest timed depth
-        that computes as many (the deepest if none does)."""
-        timed = sorted(self.draft_seconds)
-        chosen = next((d for d in timed if d >= depth), timed[-1])
-        return float(self.draft_seconds[chosen][num_reqs])
+        return proposal_seconds(self.draft_seconds, num_reqs, depth)
 
     def gains(
         self,

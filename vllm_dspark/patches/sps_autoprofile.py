@@ -4,10 +4,10 @@ What: wraps ``GPUModelRunner.capture_model`` of ``vllm.v1.worker.gpu.model_runne
 vLLM has captured the target's CUDA graphs, the runner times a decode step for every
 captured FULL decode graph (:mod:`vllm_dspark.capacity.sps_profile`), takes the slowest
 rank's time per point under tensor parallelism (so every rank admits alike) and hands
-the curve to the speculator's ``sps`` or ``acceptance`` capacity mode; then, for ``sps``,
-times the speculator's captured draft graphs per batch size (and per depth, with dynamic
-depth) the same way, for its draft gate (:mod:`vllm_dspark.capacity.draft_gate`). A few
-seconds of start-up.
+the curve to the speculator's ``sps`` or ``acceptance`` capacity mode; then times the
+speculator's captured draft graphs per batch size (and per depth, with dynamic depth) the
+same way: both modes count a proposal's time in a step's, and the draft gate
+(:mod:`vllm_dspark.capacity.draft_gate`) weighs it. A few seconds of start-up.
 Why: the ``sps`` and ``acceptance`` modes need the target's steps per second against
 tokens per step on this GPU; vLLM 0.26.0 has no hook after graph capture a plugin could use.
 Upstream: none; vLLM's Dynamic SD takes a hand-written batch-size table instead.
@@ -62,13 +62,12 @@ def _make_wrapper(capture_model):
             speculator.set_sps_curve(curve, self.device, profiled=True)
             speculator.needs_sps_profile = False
             logger.info("vllm-dspark: SPS curve profiled at start-up [T, steps/s]: %s", curve)
-            if speculator.gates_drafting:  # the draft gate's costs
-                draft_ms = {
-                    depth: slowest_rank(time_draft_graphs(speculator, manager))
-                    for depth, manager in speculator.draft_graph_managers().items()
-                }
-                speculator.set_draft_cost(draft_ms)
-                logger.info("vllm-dspark: draft ms per proposal {depth: [R, ms]}: %s", draft_ms)
+            draft_ms = {
+                depth: slowest_rank(time_draft_graphs(speculator, manager))
+                for depth, manager in speculator.draft_graph_managers().items()
+            }
+            speculator.set_draft_cost(draft_ms)
+            logger.info("vllm-dspark: draft ms per proposal {depth: [R, ms]}: %s", draft_ms)
         return result
 
     return capture_model_and_profile
