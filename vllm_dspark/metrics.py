@@ -180,15 +180,22 @@ def admission_counts_per_rank(llm) -> list[AdmissionCounts]:
 
 def _worker_gate_inputs(worker) -> dict:
     speculator = worker.model_runner.speculator
-    stale = getattr(speculator, "stale_survival", None)
-    if getattr(speculator, "draft_gate", None) is None or stale is None:
+    gate = getattr(speculator, "draft_gate", None)
+    if gate is None:
         return {}
+    if speculator.acceptance is not None:  # the acceptance verified per position
+        survival = speculator.acceptance.survival().tolist()
+    else:
+        survival = speculator.gate_survival.mean or speculator.stale_survival.per_request()
     curve = speculator.profiled_sps_curve or []
     return {
-        "gate_open": speculator.draft_gate.drafting,
-        "mean_survival": [
-            round(s, 4) for s in speculator.gate_survival.mean or stale.per_request()
-        ],
+        "gate_open": gate.drafting,
+        "skipped_in_a_row": gate.skipped_in_a_row,
+        # plain steps: an open verdict waiting for a step the scheduler gave drafts, and
+        # the drafts the scheduler gave the step after the last one (0: a plain step).
+        "open_verdict_pending": speculator.open_verdict_pending,
+        "next_step_drafts": speculator.next_step_drafts,
+        "mean_survival": [round(s, 4) for s in survival],
         "sps_curve": [[int(t), sps] for t, sps in curve],
         "draft_ms": {
             depth: [[reqs, round(ms, 4)] for reqs, ms in rows]
@@ -198,9 +205,10 @@ def _worker_gate_inputs(worker) -> dict:
 
 
 def gate_inputs(llm) -> dict:
-    """What ``sps``'s draft gate weighs now, on the first rank: whether it is open, the
-    recent prefix survival per position it weighs (``mean_survival``: the mean request's,
-    or with ``gate_objective=batch`` the worst request's), the profiled SPS curve [T, steps/s] and
+    """What the draft gate weighs now, on the first rank: whether it is open (and its
+    proposals skipped in a row), the recent prefix survival per position it weighs
+    (``mean_survival``: sps's mean request's, or with ``gate_objective=batch`` the worst
+    request's; acceptance's verified survival), the profiled SPS curve [T, steps/s] and
     proposal times {depth: [R, ms]} (empty when no gate runs). Needs
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts."""
     return llm.collective_rpc(_worker_gate_inputs)[0]

@@ -19,7 +19,6 @@ from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 from vllm_dspark.capacity.allocation import (
     UNCOMPUTED_SURVIVAL,
     prefix_survival,
-    verification_counts,
 )
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
@@ -226,7 +225,7 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         last step against what this step verified and accepted of them."""
         if self.acceptance is None and self.calibration is None and self.online_sts is None:
             return
-        num_verified, num_accepted = verification_counts(input_batch.cu_num_logits, num_sampled)
+        num_verified, num_accepted = self.drafted_verification(input_batch, num_sampled)
         self.record_verification(num_verified, num_accepted)
         slots = input_batch.idx_mapping
         if self.calibration is not None:

@@ -99,6 +99,9 @@ def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(s
     worker = SimpleNamespace(model_runner=SimpleNamespace(speculator=speculator))
     assert _worker_gate_inputs(worker) == {
         "gate_open": False,
+        "skipped_in_a_row": 1,
+        "open_verdict_pending": False,
+        "next_step_drafts": None,
         "mean_survival": [0.05] * K,
         "sps_curve": [],  # a given curve, not a profiled one
         "draft_ms": {K: [[1, 0.1], [16, 12.0]]},

@@ -195,8 +195,8 @@ def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
 ):
     """DFlash has no confidence head: with capacity=acceptance and plain steps, the draft
     gate weighs the acceptance verified per position. At 16 requests, drafts that are never
-    accepted close it (the proposal skips drafting, the scheduler is told 0); drafts that
-    are all accepted reopen it."""
+    accepted close it (the proposal skips drafting, the scheduler is told 0); once closed
+    only its probe drafts, and when the probe's drafts are all accepted it reopens."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from vllm_dspark import speculator as speculator_module
@@ -232,8 +232,11 @@ def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
     assert propose(accepted=0) == "drafted"  # nothing verified yet: optimistic
     assert [propose(accepted=0) for _ in range(3)][-1] == "skipped"
     assert speculator.take_gate_report() == 0 and not speculator.drafted_last
-    reopened = [propose(accepted=K) for _ in range(20)]
-    assert reopened[0] == "skipped" and reopened[-1] == "drafted"  # as the ratio recovers
+    # Only drafts a proposal computed count: the probes' (one per PROBE_EVERY skipped).
+    reopened = [propose(accepted=K) for _ in range(3 * PROBE_EVERY)]
+    probes = [i for i, verdict in enumerate(reopened) if verdict == "drafted"]
+    assert probes[1] - probes[0] == PROBE_EVERY  # the first probe was not enough
+    assert all(verdict == "drafted" for verdict in reopened[probes[1] + 2 :])  # reopened
     assert speculator.take_gate_report() == K
 
 
@@ -435,3 +438,35 @@ def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_
     assert len(probes) == 2 and probes[1] - probes[0] == PROBE_EVERY
     reopened = next(step for step in range(150, 300) if all(verified_per_step[step:]))
     assert reopened < 300 - 20
+
+
+def test_placeholders_a_proposal_did_not_compute_are_not_counted_as_rejections(
+    plugin_speculator,
+):
+    """A step vLLM verifies uncompacted (here: a prefill joins the batch) verifies every
+    position, also those of a proposal the draft gate skipped (all of them) or of one that
+    computed 2 positions (the rest). Counted, such placeholders read as rejections; on the
+    embedded pair (H200) an acceptance gate they closed never drafted again."""
+    speculator = plugin_speculator(
+        K,
+        method="dflash",
+        dspark_capacity="acceptance",
+        dspark_dynamic_depth=True,
+        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
+        dspark_step_overhead_ms=0.0,
+    )
+    # Three decoding requests verifying K positions each, then a prefill.
+    batch = SimpleNamespace(num_reqs=4, cu_num_logits=torch.tensor([0, 4, 8, 12, 13]))
+    num_sampled = torch.tensor([4, 2, 1, 1])  # accepted K, 1 and 0
+    speculator.drafted_last = False
+    verified, accepted = speculator.drafted_verification(batch, num_sampled)
+    assert verified.tolist() == accepted.tolist() == [0, 0, 0, 0]
+    speculator.drafted_last, speculator.draft_depth = True, 2
+    verified, accepted = speculator.drafted_verification(batch, num_sampled)
+    assert verified.tolist() == [2, 2, 2, 0] and accepted.tolist() == [2, 1, 0, 0]
+    # Through the controller: after skipped proposals, the survivals stay what they were.
+    speculator.drafted_last = False
+    for _ in range(3):
+        speculator.observe_real_step(batch, num_sampled)
+        speculator._observe_acceptance()
+    assert speculator.acceptance.survival().tolist() == [1.0] * K

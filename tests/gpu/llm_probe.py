@@ -210,6 +210,7 @@ def main(spec: dict) -> None:
         SpecDecodeCounts,
         admission_counts,
         admission_counts_per_rank,
+        gate_inputs,
     )
     from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
 
@@ -297,7 +298,7 @@ def main(spec: dict) -> None:
         for name, updates in spec["switch"]:
             switch_capacity(llm, **updates)
             llm.generate(prompts[:4], params[:4], use_tqdm=False)
-            result["arms"][name] = measure()
+            result["arms"][name] = measure() | {"gate": gate_inputs(llm)}
     else:
         result |= measure()
     if speculative:

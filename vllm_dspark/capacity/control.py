@@ -310,7 +310,20 @@ class CapacityControl:
         """The step's verified and accepted drafts per request, for the acceptance
         controller."""
         if self.acceptance is not None:
-            self.record_verification(*verification_counts(input_batch.cu_num_logits, num_sampled))
+            self.record_verification(*self.drafted_verification(input_batch, num_sampled))
+
+    def drafted_verification(
+        self, input_batch, num_sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request of the step that just ran: (drafts verified, accepted), counting
+        only drafts its proposal computed. A step vLLM verifies uncompacted (a prefill
+        in the batch, logprobs) verifies all K positions, also the placeholders of a
+        proposal the draft gate skipped or of positions past its depth, which are no
+        drafts: counted, they read as rejections, and on the embedded pair (H200,
+        5e59c9b and 851bbd0) an acceptance gate they closed never drafted again."""
+        num_verified, num_accepted = verification_counts(input_batch.cu_num_logits, num_sampled)
+        num_verified = num_verified.clamp(max=self.draft_depth if self.drafted_last else 0)
+        return num_verified, torch.minimum(num_accepted, num_verified)
 
     def observe_step(self, num_reqs: int) -> None:
         """At a real proposal, for ``sps``: the step that just ran is one sample of the
