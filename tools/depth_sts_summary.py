@@ -73,16 +73,23 @@ def depth_gain(record: dict) -> dict:
 
 
 def dflash(record: dict) -> dict:
-    """Each acceptance-controller arm the run has (without and with plain steps) against
-    fixed depth and no speculation; the target passes if one arm meets all of it."""
+    """Each acceptance-controller arm the run has (``dflash-*``: without and with dynamic
+    depth and plain steps) against fixed depth and no speculation, with both arms'
+    repeats at 256 where recorded; the target passes if one arm meets all of it."""
     tok_s = _tok_s(record["rows"])
+    repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in record["rows"]}
     concurrencies = sorted({c for arm, c in tok_s if arm == "dflash"})
     measured = {}
-    for arm in ("dflash-acceptance", "dflash-plain"):
+    for arm in sorted({arm for arm, _ in tok_s if arm.startswith("dflash-")}):
         if (arm, 256) in tok_s:
             ratios = {str(c): tok_s[(arm, c)] / tok_s[("dflash", c)] for c in concurrencies}
             over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
             measured[arm] = {"over_fixed": ratios, "over_nospec_256": over_nospec}
+            if repeats[(arm, 256)] and repeats[("nospec", 256)]:
+                measured[arm]["repeats_256"] = {
+                    arm: repeats[(arm, 256)],
+                    "nospec": repeats[("nospec", 256)],
+                }
     return {
         "target": "DFlash + acceptance controller >= DFlash fixed at 1/16/64/256, > no "
         "speculation at 256",
