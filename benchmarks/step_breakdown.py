@@ -18,11 +18,13 @@ verification), on drafts accepted with their own synthetic confidence around the
 profile; their steps verify any number of drafts (``verified_tokens_median``), and a
 proposal the draft gate skips counts with its context-KV work only. ``conf-k7`` is their
 like-for-like baseline: fixed k=7 on the same per-draft acceptance, whose own host work
-the sps arms also pay. ``fp8-k1`` / ``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the
-plugin's rowwise FP8 draft LM head (``dspark_fp8_draft_head``): that head's share of the
-drafter's cost. For each concurrency c (default 1, 64, 256) the arm runs c prompts
-of 128 tokens, 128 output tokens each, all submitted at once, once unrecorded (warm-up)
-and once recorded.
+the sps arms also pay; ``all-k7`` and ``compact-k7`` add capacity control that admits
+every draft or 0.99 of them (every step compacted), so that their steps against
+``conf-k7``'s are the controller's and the compaction's own cost. ``fp8-k1`` /
+``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the plugin's rowwise FP8 draft LM head
+(``dspark_fp8_draft_head``): that head's share of the drafter's cost. For each
+concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
+tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
 
 Block size. vLLM 0.26.0 refuses ``num_speculative_tokens`` below the block only when
 the draft config has ``dspark_block_size`` (DeepSeek-V4 DSpark); Qwen3 DSpark configs
@@ -148,6 +150,11 @@ SHAPE = "qwen3-8b"
 # field: further speculative-config keys (fp8-k*: DSpark k with the plugin's rowwise FP8
 # draft LM head, on the dspark-k* arms' acceptance).
 FP8_HEAD = {"dspark_fp8_draft_head": True}
+# Capacity control that admits every draft (all-k7; such a step runs vLLM's uniform step)
+# or all but a few (compact-k7: 0.99 of R*K, every step compacted at 64 and 256 requests),
+# on conf-k7's acceptance: their steps against conf-k7's are the controller's and the
+# compaction's own cost (the capacity issue's "overhead at most 3%" at 64 requests).
+BUDGET = {"dspark_capacity": "budget", "dspark_varlen_verify": True}
 ARMS = {
     "nospec": (0, "rates", {}),
     "dspark-k1": (1, "rates", {}),
@@ -156,6 +163,8 @@ ARMS = {
     "fp8-k1": (1, "rates", FP8_HEAD),
     "fp8-k3": (3, "rates", FP8_HEAD),
     "conf-k7": (7, "confidence", {}),
+    "all-k7": (7, "confidence", BUDGET | {"dspark_budget_frac": 1.0}),
+    "compact-k7": (7, "confidence", BUDGET | {"dspark_budget_frac": 0.99}),
     "sps-k1": (1, "sps", {}),
     "sps-k3": (3, "sps", {}),
     "sps-k7": (7, "sps", {}),
@@ -961,7 +970,8 @@ def run_arm_here(spec: dict) -> None:
         data = llm.collective_rpc(fetch_records)[0]
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before
         tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-        row = summarize(data, concurrency, k, compacted=spec["acceptance"] == "sps")
+        capacity = spec["acceptance"] == "sps" or "dspark_capacity" in spec["options"]
+        row = summarize(data, concurrency, k, compacted=capacity)
         acceptance = counts.acceptance_length if counts.drafts else None
         step_ms = row["step_ms_median"]
         row |= {

@@ -482,6 +482,26 @@ def test_fp8_arms_are_their_dspark_arm_with_the_fp8_head(engine_config, tmp_path
     assert config.speculative_config.num_speculative_tokens == k
 
 
+@pytest.mark.parametrize("arm,frac", [("all-k7", 1.0), ("compact-k7", 0.99)])
+def test_overhead_arms_are_conf_k7_with_a_budget(engine_config, tmp_path, arm, frac):
+    """The capacity issue's overhead arms: conf-k7's acceptance, plus budget control
+    admitting every draft (a uniform step) or 0.99 of them (a compacted step at 64
+    requests: ceil(64 * 7 * 0.99) = 444 of 448)."""
+    from vllm_dspark.capacity.allocation import admission_budget
+    from vllm_dspark.config import DSparkOptions
+
+    k, acceptance, options = sb.ARMS[arm]
+    assert (k, acceptance) == sb.ARMS["conf-k7"][:2]
+    draft = write_shape("tiny", tmp_path, draft_layers=1, block=k)["draft"]
+    spec = sb.speculative_config(k, draft, DEFAULT_RATES, acceptance, options)
+    assert spec == sb.speculative_config(k, draft, DEFAULT_RATES, acceptance) | options
+    config = engine_config(spec, max_model_len=2048, max_num_seqs=256)
+    resolved = DSparkOptions.from_vllm_config(config)
+    assert resolved.capacity == "budget" and resolved.budget_frac == frac
+    compacted = admission_budget(64, k, frac) < 64 * k
+    assert compacted == (arm == "compact-k7")
+
+
 def test_vllm_checks_k_against_dspark_block_size_only(engine_config, tmp_path):
     """Why the docstring says k < 7 would start with the block-7 draft: vLLM 0.26.0 reads
     ``dspark_block_size``, not the Qwen3 DSpark config's ``block_size``."""
