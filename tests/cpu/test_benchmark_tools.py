@@ -425,3 +425,40 @@ def test_batch_steps_walk_a_request_and_a_batch():
     # A request whose drafting improves: its mean so far trails its latest expectation.
     rising = batch_row(1, [[[0.0, 1.0, 2.0]]], 4)["expected_drafts_median_step"]["all_steps"]
     assert rising == {"mean_request": 1.0, "worst_request": 1.0, "worst_request_mean_so_far": 0.5}
+
+
+@pytest.mark.parametrize("options", [{}, {"dspark_capacity": "budget"}])
+def test_a_capacity_engine_settles_over_every_concurrency_before_it_measures(
+    fake_llm, monkeypatch, options
+):
+    """Capacity control fits its step costs while serving: an engine with a capacity mode
+    first serves every concurrency once, unrecorded (full length), so that the first arm
+    measured does not plan with a cold fit."""
+    import offline_sweep
+    import vllm
+
+    class OneRankLLM(fake_llm):
+        def collective_rpc(self, method, args=()):
+            return [{}]
+
+    monkeypatch.setattr(vllm, "LLM", OneRankLLM)
+    fake_llm.batches.clear()
+    spec = {
+        "options": options,
+        "target": "t",
+        "draft": "d",
+        "dummy": False,
+        "prompt_len": 8,
+        "output_len": 4,
+        "concurrency": [1, 3],
+        "repeats": 1,
+        "min_requests": 1,
+        "prompts": "arithmetic",
+        "switch": None,
+    }
+    offline_sweep.run_arm_here(spec)
+    sizes = [len(batch) for batch in fake_llm.batches]
+    # The engine's warm-up, [the settling pass], then per concurrency a short warm-up and
+    # one measured batch.
+    settle = [1, 3] if options else []
+    assert sizes == [8, *settle, 1, 1, 3, 3]

@@ -12,9 +12,11 @@ they split over the requests (on the device). The modes:
   per position and the SPS curve (:mod:`vllm_dspark.capacity.acceptance`); needs no
   confidence head.
 
-With ``sps`` and its curve profiled at start-up, the drafter's time is profiled too and
-:mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under load. ``sps``,
-``acceptance`` and the gate count each step's time outside the curve (:mod:`step_overhead`).
+With the curve profiled at start-up the drafter's time is profiled too (per depth, with
+dynamic depth): it counts in each step's time, and with ``sps`` (or ``acceptance`` with
+plain steps) :mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under
+load. ``sps``, ``acceptance`` and the gate count each step's time outside the curve
+(:mod:`step_overhead`).
 """
 
 from __future__ import annotations
