@@ -14,6 +14,19 @@ K = 3
 PLAIN_STEPS = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_plain_steps": True}
 
 
+def dflash_acceptance(plugin_speculator, **options):
+    """DFlash in capacity=acceptance on a given SPS curve that falls past 16 tokens per
+    step, with no step overhead (the costs are known from the first step)."""
+    return plugin_speculator(
+        K,
+        method="dflash",
+        dspark_capacity="acceptance",
+        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
+        dspark_step_overhead_ms=0.0,
+        **options,
+    )
+
+
 def build_async_scheduler(engine_config, model_dirs, options: dict, num_blocks: int = 64, **kwargs):
     """vLLM's own AsyncScheduler over a KV cache of ``num_blocks`` blocks, for a DSpark
     config with K drafts and the given ``dspark_`` options."""
@@ -201,14 +214,7 @@ def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
 
     from vllm_dspark import speculator as speculator_module
 
-    speculator = plugin_speculator(
-        K,
-        method="dflash",
-        dspark_capacity="acceptance",
-        dspark_plain_steps=True,
-        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
-        dspark_step_overhead_ms=0.0,
-    )
+    speculator = dflash_acceptance(plugin_speculator, dspark_plain_steps=True)
     assert speculator.gates_drafting and speculator.draft_gate is None  # until profiled
     speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: "drafted")
@@ -445,16 +451,8 @@ def test_placeholders_a_proposal_did_not_compute_are_not_counted_as_rejections(
 ):
     """A step vLLM verifies uncompacted (here: a prefill joins the batch) verifies every
     position, also those of a proposal the draft gate skipped (all of them) or of one that
-    computed 2 positions (the rest). Counted, such placeholders read as rejections; on the
-    embedded pair (H200) an acceptance gate they closed never drafted again."""
-    speculator = plugin_speculator(
-        K,
-        method="dflash",
-        dspark_capacity="acceptance",
-        dspark_dynamic_depth=True,
-        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
-        dspark_step_overhead_ms=0.0,
-    )
+    computed 2 positions (the rest). Counted, such placeholders would read as rejections."""
+    speculator = dflash_acceptance(plugin_speculator, dspark_dynamic_depth=True)
     # Three decoding requests verifying K positions each, then a prefill.
     batch = SimpleNamespace(num_reqs=4, cu_num_logits=torch.tensor([0, 4, 8, 12, 13]))
     num_sampled = torch.tensor([4, 2, 1, 1])  # accepted K, 1 and 0

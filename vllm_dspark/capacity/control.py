@@ -319,10 +319,10 @@ class CapacityControl:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per request of the step that just ran: (drafts verified, accepted), counting
         only drafts its proposal computed. A step vLLM verifies uncompacted (a prefill
-        in the batch, logprobs) verifies all K positions, also the placeholders of a
+        chunk in the batch, logprobs) verifies all K positions, also the placeholders of a
         proposal the draft gate skipped or of positions past its depth, which are no
-        drafts: counted, they read as rejections, and on the embedded pair (H200,
-        5e59c9b and 851bbd0) an acceptance gate they closed never drafted again."""
+        drafts: counted, they would read as rejections (an acceptance gate closed by them
+        reopens only through its probes) and skew calibration and online STS."""
         num_verified, num_accepted = verification_counts(input_batch.cu_num_logits, num_sampled)
         num_verified = num_verified.clamp(max=self.draft_depth if self.drafted_last else 0)
         return num_verified, torch.minimum(num_accepted, num_verified)
