@@ -5,7 +5,9 @@ same number d of leading drafts for every request of a decode step.
 
 What it learns. Per draft position j, how many verifications reached j (j was verified
 and every earlier draft accepted) and how many of those accepted it, as counts that decay
-by ``DECAY`` per step. Their ratio a_j is the position's acceptance given the ones before.
+by ``DECAY`` per step; only drafts a proposal computed count (a step vLLM verifies
+uncompacted also verifies placeholders, :meth:`CapacityControl.drafted_verification`).
+Their ratio a_j is the position's acceptance given the ones before.
 A position the current depth does not verify keeps its last ratio (decay scales both of
 its counts alike) until its counts fade out (some hundreds of steps), and one without
 counts takes its predecessor's (1 at first, so the controller starts at K). The
