@@ -246,14 +246,15 @@ def run_arm_here(spec: dict) -> None:
         firsts, first_seconds = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
         return SpecDecodeCounts.from_metrics(metrics), steps, firsts, first_seconds, per_rank
 
-    if speculating and "dspark_capacity" in speculative:
-        # Capacity control fits the step's costs while serving (step_overhead.py). One
-        # unrecorded pass over every concurrency first, so that the first arm measured
-        # does not plan with a cold fit: in the dflash run at 851bbd0 the first arm of the
-        # shared engine, fitted at one request only, verified 3.2 drafts per request at
-        # 256 where later arms verified 2.0.
-        for concurrency in spec["concurrency"]:
-            llm.generate(prompts(concurrency, 90_000 + concurrency), params, use_tqdm=False)
+    # One unrecorded pass over every concurrency first, in every engine. In the dflash
+    # run at 851bbd0 the arms measured first in an engine (stock DFlash, and the first arm
+    # of the shared one) took 157-166 ms to a first token at 64 requests where the later
+    # arms of the shared engine took 65-74 ms; and capacity control fits its step costs
+    # while serving (step_overhead.py): that first arm, fitted at one request only,
+    # verified 3.2 drafts per request at 256 where later arms verified 2.0. (The prompts
+    # of the concurrency's own warm-up below, which no measured prompt shares.)
+    for concurrency in spec["concurrency"]:
+        llm.generate(prompts(concurrency, 50_000 + concurrency), params, use_tqdm=False)
 
     # One arm, or (--shared-engine) several capacity arms switched in this engine.
     for name, updates in spec.get("switch") or [[None, None]]:

@@ -151,9 +151,11 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch
     # Runs of 0.1, 0.5 and 0.9 s (the fake clock) for 40 tokens each: the median counts.
     assert row["tok_s_repeats"] == [400.0, 80.0, 44.4]
     assert row["tok_s"] == 80.0
-    # Warm-ups (the engine's, then the concurrency's), then three fresh prompt sets.
-    assert len(seen_prompts) == 5
-    first_blocks = [tuple(prompt[:16]) for batch in seen_prompts for prompt in batch]
+    # Warm-ups (the engine's, its settling pass, the concurrency's: the same prompts as
+    # the settling pass), then three fresh prompt sets.
+    assert len(seen_prompts) == 6 and seen_prompts[1] == seen_prompts[2]
+    first_blocks = [tuple(prompt[:16]) for batch in seen_prompts[2:] for prompt in batch]
+    first_blocks += [tuple(prompt[:16]) for prompt in seen_prompts[0]]
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
 
 
@@ -255,9 +257,9 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
     }
     offline_sweep.run_arm_here(spec)
     row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
-    # Two warm-ups, then per repeat ceil(5 / 2) = 3 waves of 2 requests, each wave 1 s on
-    # the fake clock: 60 tokens in 3 s.
-    assert [len(batch) for batch in batches] == [8, 2] + [2] * 6
+    # Three warm-ups, then per repeat ceil(5 / 2) = 3 waves of 2 requests, each wave 1 s
+    # on the fake clock: 60 tokens in 3 s.
+    assert [len(batch) for batch in batches] == [8, 2, 2] + [2] * 6
     assert row["tok_s_repeats"] == [20.0, 20.0]
     # Every prompt is a 100-token window of the held-out text, none starting alike.
     stream = [token for prompt in load_prompts(num_prompts=None) for token in prompt]
@@ -427,27 +429,17 @@ def test_batch_steps_walk_a_request_and_a_batch():
     assert rising == {"mean_request": 1.0, "worst_request": 1.0, "worst_request_mean_so_far": 0.5}
 
 
-@pytest.mark.parametrize("options", [{}, {"dspark_capacity": "budget"}])
-def test_a_capacity_engine_settles_over_every_concurrency_before_it_measures(
-    fake_llm, monkeypatch, options
-):
-    """Capacity control fits its step costs while serving: an engine with a capacity mode
-    first serves every concurrency once, unrecorded (full length), so that the first arm
-    measured does not plan with a cold fit."""
+def test_an_engine_settles_over_every_concurrency_before_it_measures(fake_llm, monkeypatch):
+    """Every engine first serves every concurrency once, unrecorded (full length), so that
+    the first arm measured is not the one that meets a batch size first (and capacity
+    control does not plan with a cold fit of its step costs)."""
     import offline_sweep
-    import vllm
 
-    class OneRankLLM(fake_llm):
-        def collective_rpc(self, method, args=()):
-            return [{}]
-
-    monkeypatch.setattr(vllm, "LLM", OneRankLLM)
     fake_llm.batches.clear()
     spec = {
-        "options": options,
+        "options": None,
         "target": "t",
-        "draft": "d",
-        "dummy": False,
+        "dummy": True,
         "prompt_len": 8,
         "output_len": 4,
         "concurrency": [1, 3],
@@ -457,8 +449,6 @@ def test_a_capacity_engine_settles_over_every_concurrency_before_it_measures(
         "switch": None,
     }
     offline_sweep.run_arm_here(spec)
-    sizes = [len(batch) for batch in fake_llm.batches]
-    # The engine's warm-up, [the settling pass], then per concurrency a short warm-up and
+    # The engine's warm-up, the settling pass, then per concurrency a short warm-up and
     # one measured batch.
-    settle = [1, 3] if options else []
-    assert sizes == [8, *settle, 1, 1, 3, 3]
+    assert [len(batch) for batch in fake_llm.batches] == [8, 1, 3, 1, 1, 3, 3]
