@@ -289,3 +289,38 @@ def test_uncomputed_positions_are_point_masses_on_their_token():
     assert torch.equal(logits[[3, 0], :2], before[[3, 0], :2])
     assert logits[3, 2:].argmax(dim=-1).tolist() == [5, 5] and logits[0, 3, 6] == 0
     assert torch.isinf(logits[[3, 0], 2:]).sum() == 2 * 2 * 9
+
+
+def test_a_dflash_drafter_captures_one_graph_set_per_depth(plugin_speculator, monkeypatch):
+    """With dynamic depth, DFlash gets a draft graph manager per depth 1..K (the stock one
+    at K), and each depth's graphs are captured with the drafter sampling that depth."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_dspark import speculator as speculator_module
+
+    def stock_init(self, cudagraph_mode):
+        self.query_cudagraph_manager = SimpleNamespace(cudagraph_mode=cudagraph_mode, pool=None)
+
+    captured = []
+    monkeypatch.setattr(DFlashSpeculator, "init_cudagraph_manager", stock_init)
+    monkeypatch.setattr(
+        speculator_module,
+        "DFlashCudaGraphManager",
+        lambda config, device, mode, decode_query_len: SimpleNamespace(pool=None),
+    )
+    monkeypatch.setattr(DFlashSpeculator, "capture", lambda self: captured.append(self.draft_depth))
+    speculator = plugin_speculator(
+        K, method="dflash", dspark_capacity="acceptance", dspark_dynamic_depth=True
+    )
+    monkeypatch.setattr(speculator, "capture_context_kv", lambda pool: None)
+    speculator.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    managers = speculator.draft_graph_managers()
+    assert sorted(managers) == list(range(1, K + 1))
+    assert managers[K] is speculator.query_cudagraph_manager
+    speculator.capture()
+    assert captured == list(range(1, K + 1)) and speculator.draft_depth == K
+    # Without dynamic depth: stock's one manager.
+    fixed = plugin_speculator(K, method="dflash", dspark_capacity="acceptance")
+    fixed.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert list(fixed.draft_graph_managers()) == [K]
