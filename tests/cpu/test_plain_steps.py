@@ -378,6 +378,36 @@ def test_the_plain_cost_probe_closes_an_open_gate_per_new_batch_range_and_now_an
     ]
 
 
+def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
+    plugin_speculator,
+):
+    """With its costs measured while serving, an open gate is closed for a burst when the
+    batch enters a range whose plain steps were never timed; a closed gate's plain steps
+    time that range, so the gate reopened there drafts at once."""
+    speculator = plugin_speculator(
+        K,
+        dspark_capacity="sps",
+        dspark_plain_steps=True,
+        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
+    )
+    overhead = speculator.step_overhead
+    assert overhead.measuring
+    overhead.ready = True  # as after its first windows
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
+    for _ in range(2):
+        speculator.record_proposal(torch.full((16, K), 0.05))  # rarely accepted
+    speculator.next_step_drafts = K
+    probe = speculator.plain_cost_probe
+    assert not speculator.plan_proposal(16, K)  # closed by its own verdict
+    assert probe.measured_ranges == {(16).bit_length()}
+    verdicts = []
+    while not any(verdicts[-1:]):  # survivals all but certain from now on
+        speculator.record_proposal(torch.full((16, K), 0.95))
+        verdicts.append(speculator.plan_proposal(16, K))
+        assert probe.burst_left == 0  # reopened without a burst of its own
+    assert speculator.plan_proposal(1, K) is False and probe.burst_left > 0  # a new range
+
+
 def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_scheduler(
     engine_config, model_dirs, plugin_speculator, monkeypatch
 ):

@@ -258,7 +258,9 @@ class CapacityControl:
             # A gate measuring the costs it weighs (O known) times plain steps now and then.
             overhead = self.step_overhead
             if self.draft_gate is not None and overhead.measuring and overhead.ready:
-                gate_open = gate_open and not self.plain_cost_probe.closes(num_reqs, gate_open)
+                # Told also of a closed gate, whose plain steps measure its batch range.
+                closes = self.plain_cost_probe.closes(num_reqs, gate_open)
+                gate_open = gate_open and not closes
             # An open verdict (a probe of the closed gate's too) holds until a step the
             # scheduler gave drafts takes it: the scheduler acts a step or two late.
             gate_open = gate_open or self.open_verdict_pending
