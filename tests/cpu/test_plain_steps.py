@@ -408,6 +408,30 @@ def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
     assert speculator.plan_proposal(1, K) is False and probe.burst_left > 0  # a new range
 
 
+def test_a_gate_closed_as_the_batch_enters_a_new_range_still_probes(plugin_speculator):
+    """A gate already closed when the batch size enters a range never timed: its probe (one
+    proposal in PROBE_EVERY skipped ones) must draft. Reached only while the gate was open,
+    the plain-cost probe started its burst on the probe's open verdict instead, swallowed
+    it, and, not told of the closed proposals in between, kept the rest of its burst for
+    the next probes: 8 x 64 proposals without a draft. That fits the H200 arms test at
+    5e59c9b and 851bbd0 (acceptance-plain: no draft in 129 proposals of 64 requests, after
+    a warm-up of 4)."""
+    speculator = plugin_speculator(
+        K,
+        dspark_capacity="sps",
+        dspark_plain_steps=True,
+        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
+    )
+    speculator.step_overhead.ready = True
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0), (64, 48.0)]})
+    for _ in range(2):
+        speculator.record_proposal(torch.full((16, K), 0.05))
+    speculator.next_step_drafts = K
+    assert not speculator.plan_proposal(16, K)  # closed at 16 requests
+    drafted = [speculator.plan_proposal(64, K) for _ in range(2 * PROBE_EVERY)]
+    assert sum(drafted) == 2  # one probe per PROBE_EVERY skipped proposals
+
+
 def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_scheduler(
     engine_config, model_dirs, plugin_speculator, monkeypatch
 ):

@@ -193,8 +193,9 @@ def test_capacity_modes_are_lossless(arms, mode):
     assert arms[mode]["token_ids"] == arms["nospec"]["token_ids"]
     # Even a closed draft gate drafts one proposal in PROBE_EVERY (64) skipped ones, and a
     # batch of 64 requests here takes 128 steps or more. (H200, 5e59c9b and 851bbd0:
-    # acceptance-plain scheduled no draft at all, not understood; the gate's state is in
-    # the message and pair_arms.json.)
+    # acceptance-plain drafted nothing; likely the plain-cost probe swallowing the gate's
+    # probes, fixed since: test_plain_steps.py. The gate's state is in the message and
+    # pair_arms.json.)
     assert capped["drafts"] > 0, (admission, gate)
     # vLLM counts every scheduled draft; accepted ones can only come from admitted ones,
     # and fewer verified drafts mean fewer accepted per step.
