@@ -6,15 +6,13 @@ the environment wins. The resolved options travel to every vLLM process inside
 ``VllmConfig.additional_config["dspark"]`` (and so take part in its hash); with
 no option set nothing is stored there and vLLM runs exactly as stock.
 
-Validation happens in three steps, all before the engine starts:
+Validation happens in two steps, both before the engine starts:
 
 1. :func:`resolve_options` parses and type-checks the raw values (unknown keys,
    wrong types, out-of-range numbers, malformed curves, options set for a mode
    that does not use them);
 2. :func:`check_against_speculative_config` checks them against the speculative
    config vLLM built (method, draft checkpoint);
-3. :func:`check_implemented` refuses combinations this version does not implement.
-
 Every failure raises :class:`DSparkOptionError` naming the key, the bad value and
 the valid choices.
 """
@@ -127,8 +125,10 @@ class DSparkOptions(BaseModel):
     depth the next step verifies)."""
 
     varlen_verify: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
-    """Verify only the admitted drafts, packed without padding (compact variable-length
-    verification)."""
+    """With a capacity mode: verify only the admitted drafts, packed without padding
+    (compact variable-length verification; FlashAttention or Triton attention). False:
+    the target still runs every draft and only the admitted ones are verified (masked:
+    for any attention backend, and no forward saved)."""
 
     plain_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """``capacity=sps``: while the draft gate is closed, the scheduler schedules plain
@@ -418,14 +418,4 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             "checkpoint with a confidence head (enable_confidence_head: true in its "
             f"config.json); {speculative_config.model} has none. Valid without one: "
             f"{KEY_PREFIX}capacity=off."
-        )
-
-
-def check_implemented(options: DSparkOptions) -> None:
-    """Refuse combinations this version does not implement."""
-    if options.capacity != "off" and not options.varlen_verify:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}capacity={options.capacity!r} needs "
-            f"{KEY_PREFIX}varlen_verify=true in this version (the masked fallback, which "
-            "verifies admitted drafts without compacting the batch, is not implemented)."
         )

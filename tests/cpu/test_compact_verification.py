@@ -75,6 +75,78 @@ def check_compacted_batch(speculator):
     assert (speculator.compacted_steps, speculator.graph_steps) == (1, 0)
 
 
+def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_speculator):
+    """dspark_varlen_verify=false: the uniform inputs stay as they are (the target runs all
+    K drafts); the logits verified, the per-request draft counts and their request maps are
+    those of the compacted step, and the drafts run but not verified count as rejected."""
+    import dataclasses
+
+    from vllm_dspark.patches import compact_verification as patch
+
+    speculator = plugin_speculator(dspark_capacity="budget", dspark_budget_frac=0.25)
+    speculator.options = speculator.options.model_copy(update={"varlen_verify": False})
+    num_reqs = 3
+    batch, buffers = uniform_batch(num_reqs, computed=[10, 20, 30])
+    uniform = num_reqs * (1 + K)
+    batch = dataclasses.replace(
+        batch,
+        idx_mapping=torch.tensor([5, 2, 9], dtype=torch.int32),
+        logits_indices=torch.arange(uniform),  # every token's logits, as for decode
+    )
+    inputs_before = [t.clone() for t in (buffers.input_ids, buffers.positions, buffers.seq_lens)]
+    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.slot_survival[2] = torch.full((K,), 0.01)
+    speculator.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
+    budget = speculator.admission_budget(num_reqs)
+    masked = patch.masked_input_batch(SimpleNamespace(speculator=speculator), batch, budget)
+    # As compacted: slot 5 verifies 5 drafts, slot 2 none, slot 9 one.
+    assert masked.cu_num_logits.tolist() == [0, 6, 7, 9]
+    assert masked.expanded_idx_mapping.tolist() == [5] * 6 + [2] + [9] * 2
+    assert masked.expanded_local_pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 1]
+    assert masked.num_draft_tokens == budget and masked.num_draft_tokens_per_req is None
+    # But from the uniform layout, whose inputs are untouched.
+    assert masked.logits_indices.tolist() == [0, 1, 2, 3, 4, 5, 8, 16, 17]
+    assert masked.num_tokens == uniform
+    after = (buffers.input_ids, buffers.positions, buffers.seq_lens)
+    assert all(torch.equal(a, b) for a, b in zip(after, inputs_before, strict=True))
+    assert speculator.masked_drafts.tolist() == [K - 5, K, K - 1]
+    assert speculator.drafts_admitted == budget and speculator.compacted_steps == 1
+    # The step's sampling counts them rejected, once.
+    runner = SimpleNamespace(speculator=speculator)
+
+    def sample(self):
+        return "output", torch.tensor([3, 1, 2]), torch.tensor([2, 0, 0])
+
+    sample_masked = patch._make_sample_wrapper(sample)
+    assert sample_masked(runner)[2].tolist() == [2 + K - 5, K, K - 1]
+    assert sample_masked(runner)[2].tolist() == [2, 0, 0]
+
+
+def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
+    """With varlen_verify=false the step's dispatch and forward stay vLLM's uniform ones
+    (no compact budget), and the step's forward is timed at R (1 + K) tokens."""
+    from vllm_dspark.patches import compact_verification as patch
+
+    speculator = plugin_speculator(dspark_capacity="budget", dspark_budget_frac=0.25)
+    speculator.options = speculator.options.model_copy(update={"varlen_verify": False})
+    seen = []
+
+    def execute_model(self, scheduler_output):
+        seen.append((patch._step_budget_var.get(), patch._step_mask_var.get()))
+
+    runner = SimpleNamespace(
+        speculator=speculator,
+        req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
+        sampler=SimpleNamespace(returns_logprobs=lambda slots: False),
+    )
+    step = scheduler_output({"a": 1 + K, "b": 1 + K}, {"a": [-1] * K, "b": [-1] * K})
+    step.num_spec_tokens_to_schedule = K
+    patch._make_execute_wrapper(execute_model)(runner, step)
+    assert seen == [(None, 4)]  # ceil(2 * 7 * 0.25) verified, nothing compacted
+    assert speculator.step_tokens == 2 * (1 + K)
+    assert patch._step_mask_var.get() is None  # reset after the step
+
+
 def scheduler_output(counts, drafts, structured=False, new=()):
     return SimpleNamespace(
         num_scheduled_tokens=counts,
@@ -602,8 +674,9 @@ def test_compaction_takes_flash_or_triton_attention_for_the_target_alone():
         groups = [[group(target, ["model.0.attn"]), group("FLASHINFER", ["draft.0.attn"])]]
         _check_compaction_backends(groups, draft)
     groups = [[group("FLASHINFER", ["model.0.attn"]), group("FLASH_ATTN", ["draft.0.attn"])]]
-    with pytest.raises(DSparkOptionError, match="FLASHINFER.*FLASH_ATTN or TRITON_ATTN"):
+    with pytest.raises(DSparkOptionError, match="FLASHINFER.*FLASH_ATTN or TRITON_ATTN") as error:
         _check_compaction_backends(groups, draft)
+    assert "dspark_varlen_verify=false" in str(error.value)  # the masked fallback
 
 
 @pytest.mark.parametrize(

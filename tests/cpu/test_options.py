@@ -247,25 +247,11 @@ BAD_INPUTS = [
         ["replaces vLLM's synthetic acceptance", "'standard'"],
     ),
     (
-        "acceptance without compaction",
-        "dflash",
-        {"dspark_capacity": "acceptance"},
-        {},
-        ["dspark_capacity='acceptance' needs dspark_varlen_verify=true"],
-    ),
-    (
-        "capacity without compaction",
-        "dspark",
-        {"dspark_capacity": "threshold"},
-        {},
-        ["dspark_capacity='threshold' needs dspark_varlen_verify=true"],
-    ),
-    (
         "dash spelling",
         "dspark",
-        {"dspark-capacity": "budget"},
+        {"dspark-capacity": "fastest"},
         {},
-        ["dspark_capacity='budget' needs dspark_varlen_verify=true"],
+        ["dspark_capacity", "one of: off, threshold, budget, sps, acceptance"],
     ),
 ]
 
@@ -390,3 +376,14 @@ def test_synthetic_confidence_stands_in_for_a_confidence_head(engine_config, mod
     )
     options = DSparkOptions.from_vllm_config(config)
     assert options.synthetic_confidence == [0.8] * K and options.needs_confidence
+
+
+@pytest.mark.parametrize("draft,capacity", [("dspark", "threshold"), ("dflash", "acceptance")])
+def test_capacity_without_compaction_is_masked_verification(
+    engine_config, model_dirs, draft, capacity
+):
+    """A capacity mode with varlen_verify off starts: its steps run every draft through
+    the target and verify the admitted ones (patches/compact_verification.py)."""
+    config = engine_config(spec(model_dirs, draft, dspark_capacity=capacity))
+    options = DSparkOptions.from_vllm_config(config)
+    assert options.capacity == capacity and not options.varlen_verify

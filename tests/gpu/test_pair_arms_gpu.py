@@ -2,8 +2,9 @@
 no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
-  curve and with the curve profiled at start-up; budget with dynamic depth), switched in
-  one engine, keeps greedy outputs identical to no speculation. In float32, where bf16
+  curve and with the curve profiled at start-up; budget with dynamic depth), and budget
+  with masked verification (varlen_verify off), switched in one engine, keeps greedy
+  outputs identical to no speculation. In float32, where bf16
   batch-shape noise cannot flip near ties; there the target runs Triton attention, so the
   compacted steps run as vLLM runs mixed batches (PIECEWISE graphs);
 - in bf16 the target runs FlashAttention 3, and every compacted step replays one of the
@@ -78,6 +79,8 @@ ARM_PROBE_KEYS = {
 CAPACITY_ARMS = {
     "budget": {"capacity": "budget", "budget_frac": 0.5},
     "budget-depth": {"capacity": "budget", "budget_frac": 0.5, "dynamic_depth": True},
+    # Masked verification (varlen_verify off): every draft run, the admitted ones verified.
+    "budget-masked": {"capacity": "budget", "budget_frac": 0.5, "varlen_verify": False},
     "threshold": {"capacity": "threshold", "confidence_threshold": 0.3},
     # Not this pair's curve: one whose optimum moves with the load, to exercise the mode.
     "sps": {

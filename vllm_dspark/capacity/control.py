@@ -170,6 +170,9 @@ class CapacityControl:
             (4, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         self.pending_admission = None
+        # varlen_verify=false: per batch row, the drafts the running step ran but does not
+        # verify (patches/compact_verification.py), until its sampling counts them rejected.
+        self.masked_drafts = None
         # A hash of every compacted step's k_r in order: tensor-parallel ranks must agree.
         # Folded on the device as each step is prepared, on every rank: only one rank's
         # output ever reaches the scheduler (and its get_output), so a host-side fold there
@@ -559,7 +562,7 @@ class CapacityControl:
         super().set_attn(
             model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
         )
-        if self.controls_capacity:
+        if self.controls_capacity and self.options.varlen_verify:
             _check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
 
 
@@ -639,6 +642,7 @@ def _check_compaction_backends(attn_groups, draft_layer_names) -> None:
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}varlen_verify cannot run the target's attention "
             f"backend {', '.join(sorted(unsupported))}. Valid here: "
-            f"--attention-backend {' or '.join(COMPACTION_BACKENDS)}, or "
-            f"{KEY_PREFIX}capacity=off."
+            f"--attention-backend {' or '.join(COMPACTION_BACKENDS)}; or "
+            f"{KEY_PREFIX}varlen_verify=false, which verifies the admitted drafts of an "
+            f"uncompacted batch (the target then runs every draft); or {KEY_PREFIX}capacity=off."
         )

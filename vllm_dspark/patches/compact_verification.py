@@ -1,9 +1,10 @@
 """Verify only the drafts capacity control admits, packed without padding.
 
-What: wraps three names of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``):
+What: wraps four names of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``):
 ``GPUModelRunner.execute_model``, where the step's admission budget B is decided on the
 host; ``dispatch_cg_and_sync_dp``, which picks the CUDA graph from the step's token count;
-and ``GPUModelRunner.prepare_inputs``; two of ``vllm.v1.worker.gpu.cudagraph_utils``:
+``GPUModelRunner.prepare_inputs``; and ``GPUModelRunner.sample`` (masked steps, below);
+two of ``vllm.v1.worker.gpu.cudagraph_utils``:
 ``ModelCudaGraphManager._init_candidates``, which lists the target's graphs to capture, and
 ``CudaGraphManager.capture``, which captures them; and ``InputBatch.make_dummy``, whose
 dummy batch a compact graph is captured on with queries of up to 1 + K tokens
@@ -22,7 +23,10 @@ start-up refuses others). The slot mappings and attention metadata are then deri
 from the compact batch as usual. Steps with prefills, structured output or logprobs run
 unchanged (all K drafts), which is always lossless, and so do steps that admit all K.
 Runners whose speculator has no capacity control are untouched: the wrappers find no
-budget and call vLLM's code.
+budget and call vLLM's code. With ``dspark_varlen_verify=false`` a step is masked instead
+(:func:`masked_input_batch`): its uniform forward and graph stay vLLM's, only the logits
+verified and the per-request draft counts are rewritten, and its sampling counts the
+drafts not verified as rejected; any attention backend takes it.
 Why: vLLM 0.26.0 verifies every scheduled draft; under load the verification of
 drafts that will be rejected costs more than speculation gains.
 Upstream: vllm-project/vllm#47808 (adaptive verification) does this in-tree, in vLLM
@@ -60,6 +64,8 @@ BATCH_MODULE = "vllm.v1.worker.gpu.input_batch"
 COMPACT_GRAPHS_ATTR = "dspark_compact_graphs"
 # The admission budget of the step ``execute_model`` is running, if it is compacted.
 _step_budget_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_budget", default=None)
+# ... if it is verified masked instead (dspark_varlen_verify=false): uncompacted.
+_step_mask_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_mask", default=None)
 # While a compact graph's inputs are prepared for capture: its longest query (1 + K).
 _capture_query_len_var: ContextVar[int | None] = ContextVar(
     "vllm_dspark_capture_query_len", default=None
@@ -117,11 +123,18 @@ def _make_execute_wrapper(execute_model):
             # Timed apart: the draft gate weighs drafting against this step's cost.
             self.speculator.step_tokens = len(scheduler_output.num_scheduled_tokens)
             self.speculator.step_plain = True
-        token = _step_budget_var.set(_step_budget(self, scheduler_output))
+        budget = _step_budget(self, scheduler_output)
+        masked = budget is not None and not self.speculator.options.varlen_verify
+        if masked:  # the target runs every draft: what the step's forward costs
+            num_reqs = len(scheduler_output.num_scheduled_tokens)
+            self.speculator.step_tokens = num_reqs * (1 + self.speculator.num_speculative_steps)
+        token = _step_budget_var.set(None if masked else budget)
+        mask_token = _step_mask_var.set(budget if masked else None)
         try:
             return execute_model(self, scheduler_output, *args, **kwargs)
         finally:
             _step_budget_var.reset(token)
+            _step_mask_var.reset(mask_token)
 
     return execute_model_with_compaction
 
@@ -264,15 +277,57 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     )
 
 
+def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
+    """``dspark_varlen_verify=false``: the stock uniform batch, whose forward runs every
+    draft, with only the admitted ones verified (the logits of each request's first
+    1 + k_r tokens, and the rejection sampler's per-request draft counts, rewritten on the
+    GPU). What the target computed for the other K - k_r drafts of request r is dropped as
+    a rejection would drop it (:func:`_make_sample_wrapper`). For attention backends that
+    cannot take a compacted batch; it saves the verification's sampling work, not its
+    forward."""
+    speculator = runner.speculator
+    capacity = speculator.verify_capacity(batch.idx_mapping, budget)
+    layout = compact_layout(capacity, speculator.num_speculative_steps, batch.num_reqs + budget)
+    speculator.masked_drafts = layout.dropped
+    speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
+    return dataclasses.replace(
+        batch,
+        num_draft_tokens=budget,
+        num_draft_tokens_per_req=None,
+        expanded_idx_mapping=batch.idx_mapping[layout.request],
+        expanded_local_pos=layout.offset.to(torch.int32),
+        logits_indices=batch.logits_indices[layout.source],
+        cu_num_logits=layout.query_start_loc,
+    )
+
+
 def _make_prepare_wrapper(prepare_inputs):
     def prepare_inputs_with_compaction(self, scheduler_output, batch_desc):
         batch = prepare_inputs(self, scheduler_output, batch_desc)
+        from_graph = batch_desc.cg_mode == CUDAGraphMode.FULL
         budget = _step_budget_var.get()
-        if budget is None:
-            return batch
-        return compact_input_batch(self, batch, budget, batch_desc.cg_mode == CUDAGraphMode.FULL)
+        if budget is not None:
+            return compact_input_batch(self, batch, budget, from_graph)
+        masked = _step_mask_var.get()
+        if masked is not None:
+            return masked_input_batch(self, batch, masked, from_graph)
+        return batch
 
     return prepare_inputs_with_compaction
+
+
+def _make_sample_wrapper(sample):
+    def sample_with_masked_drafts(self, *args, **kwargs):
+        sampler_output, num_sampled, num_rejected = sample(self, *args, **kwargs)
+        masked = getattr(self.speculator, "masked_drafts", None)
+        if masked is None:
+            return sampler_output, num_sampled, num_rejected
+        # The drafts a masked step ran but did not verify count as rejected: the request's
+        # computed tokens and the drafter's context end at its last accepted draft.
+        self.speculator.masked_drafts = None
+        return sampler_output, num_sampled, num_rejected + masked.to(num_rejected.dtype)
+
+    return sample_with_masked_drafts
 
 
 def is_applied() -> bool:
@@ -288,6 +343,7 @@ def apply() -> None:
     wrap(runner, "execute_model", _make_execute_wrapper)
     wrap(runner_module, "dispatch_cg_and_sync_dp", _make_dispatch_wrapper)
     wrap(runner, "prepare_inputs", _make_prepare_wrapper)
+    wrap(runner, "sample", _make_sample_wrapper)
     graphs_module = sys.modules[GRAPHS_MODULE]
     wrap(graphs_module.ModelCudaGraphManager, "_init_candidates", _make_candidates_wrapper)
     wrap(graphs_module.CudaGraphManager, "capture", _make_capture_wrapper)

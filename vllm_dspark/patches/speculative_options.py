@@ -28,7 +28,6 @@ from vllm_dspark.config import (
     KEY_PREFIX,
     DSparkOptionError,
     check_against_speculative_config,
-    check_implemented,
     resolve_options,
 )
 from vllm_dspark.patches.wrapping import wrap
@@ -61,7 +60,6 @@ def _make_wrapper(create_speculative_config):
             if our_keys:
                 self.speculative_config = {**(self.speculative_config or {}), **our_keys}
         check_against_speculative_config(options, speculative_config)
-        check_implemented(options)
         if options.plain_steps:
             if self.data_parallel_size > 1:
                 raise DSparkOptionError(
