@@ -125,10 +125,9 @@ class DSparkOptions(BaseModel):
     depth the next step verifies)."""
 
     varlen_verify: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
-    """With a capacity mode: verify only the admitted drafts, packed without padding
-    (compact variable-length verification; FlashAttention or Triton attention). False:
-    the target still runs every draft and only the admitted ones are verified (masked:
-    for any attention backend, and no forward saved)."""
+    """With a capacity mode, how the admitted drafts are verified: true, packed without
+    padding (compact variable-length verification; FlashAttention or Triton attention);
+    false, masked (the target still runs every draft; any attention backend)."""
 
     plain_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """``capacity=sps``: while the draft gate is closed, the scheduler schedules plain
