@@ -93,7 +93,12 @@ class DepthGraphs:
     drafting reads ``draft_depth``), so switching depth replays another graph and never
     recaptures. Eager proposals (batches past the largest graph) read it too."""
 
-    _depth_graphs: dict[int, DFlashCudaGraphManager]
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        super().__init__(vllm_config, device)
+        # Positions the next proposal computes (all K unless dynamic depth), and the draft
+        # graph managers by depth (set when the managers are built).
+        self.draft_depth = self.num_speculative_steps
+        self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
 
     def _init_draft_graph_managers(self, cudagraph_mode) -> None:
         super()._init_draft_graph_managers(cudagraph_mode)
@@ -163,9 +168,6 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
                 options.synthetic_confidence[: self.num_speculative_steps], device
             )
             self.temperatures = torch.ones(self.num_speculative_steps, device=device)
-        # Sequential positions computed per proposal (dspark_dynamic_depth: DepthGraphs).
-        self.draft_depth = self.num_speculative_steps
-        self._depth_graphs = {}
         self._init_capacity(vllm_config, device)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
@@ -309,10 +311,6 @@ class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFl
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
         self.options = options
-        # Positions whose drafts are sampled (dspark_dynamic_depth with acceptance: the
-        # depth the next step verifies; else every position).
-        self.draft_depth = self.num_speculative_steps
-        self._depth_graphs = {}
         self._init_capacity(vllm_config, device)
 
     def propose(self, *args, **kwargs):
