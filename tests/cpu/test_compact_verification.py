@@ -83,8 +83,9 @@ def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_s
 
     from vllm_dspark.patches import compact_verification as patch
 
-    speculator = plugin_speculator(dspark_capacity="budget", dspark_budget_frac=0.25)
-    speculator.options = speculator.options.model_copy(update={"varlen_verify": False})
+    speculator = plugin_speculator(
+        dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=False
+    )
     num_reqs = 3
     batch, buffers = uniform_batch(num_reqs, computed=[10, 20, 30])
     uniform = num_reqs * (1 + K)
@@ -127,8 +128,9 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
     (no compact budget), and the step's forward is timed at R (1 + K) tokens."""
     from vllm_dspark.patches import compact_verification as patch
 
-    speculator = plugin_speculator(dspark_capacity="budget", dspark_budget_frac=0.25)
-    speculator.options = speculator.options.model_copy(update={"varlen_verify": False})
+    speculator = plugin_speculator(
+        dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=False
+    )
     seen = []
 
     def execute_model(self, scheduler_output):
