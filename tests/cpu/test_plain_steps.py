@@ -378,12 +378,10 @@ def test_the_plain_cost_probe_closes_an_open_gate_per_new_batch_range_and_now_an
     ]
 
 
-def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
-    plugin_speculator,
-):
-    """With its costs measured while serving, an open gate is closed for a burst when the
-    batch enters a range whose plain steps were never timed; a closed gate's plain steps
-    time that range, so the gate reopened there drafts at once."""
+def closed_measuring_gate(plugin_speculator):
+    """An sps speculator with plain steps whose step costs are measured while serving (as
+    after its first windows), its draft gate just closed at 16 requests by its own verdict
+    (drafting costs 12 ms there, 48 ms at 64; survivals of 0.05)."""
     speculator = plugin_speculator(
         K,
         dspark_capacity="sps",
@@ -392,13 +390,23 @@ def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
     )
     overhead = speculator.step_overhead
     assert overhead.measuring
-    overhead.ready = True  # as after its first windows
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
+    overhead.ready = True
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0), (64, 48.0)]})
     for _ in range(2):
-        speculator.record_proposal(torch.full((16, K), 0.05))  # rarely accepted
+        speculator.record_proposal(torch.full((16, K), 0.05))
     speculator.next_step_drafts = K
+    assert not speculator.plan_proposal(16, K)
+    return speculator
+
+
+def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
+    plugin_speculator,
+):
+    """With its costs measured while serving, an open gate is closed for a burst when the
+    batch enters a range whose plain steps were never timed; a closed gate's plain steps
+    time that range, so the gate reopened there drafts at once."""
+    speculator = closed_measuring_gate(plugin_speculator)
     probe = speculator.plain_cost_probe
-    assert not speculator.plan_proposal(16, K)  # closed by its own verdict
     assert probe.measured_ranges == {(16).bit_length()}
     verdicts = []
     while not any(verdicts[-1:]):  # survivals all but certain from now on
@@ -416,18 +424,7 @@ def test_a_gate_closed_as_the_batch_enters_a_new_range_still_probes(plugin_specu
     the next probes: 8 x 64 proposals without a draft. That fits the H200 arms test at
     5e59c9b and 851bbd0 (acceptance-plain: no draft in 129 proposals of 64 requests, after
     a warm-up of 4)."""
-    speculator = plugin_speculator(
-        K,
-        dspark_capacity="sps",
-        dspark_plain_steps=True,
-        dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
-    )
-    speculator.step_overhead.ready = True
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0), (64, 48.0)]})
-    for _ in range(2):
-        speculator.record_proposal(torch.full((16, K), 0.05))
-    speculator.next_step_drafts = K
-    assert not speculator.plan_proposal(16, K)  # closed at 16 requests
+    speculator = closed_measuring_gate(plugin_speculator)
     drafted = [speculator.plan_proposal(64, K) for _ in range(2 * PROBE_EVERY)]
     assert sum(drafted) == 2  # one probe per PROBE_EVERY skipped proposals
 
