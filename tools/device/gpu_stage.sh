@@ -163,11 +163,13 @@ case "$stage" in
     ;;
   tp)
     vllm_env; use_recalibrated
-    timeout 900 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
+    timeout 900 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+      | tee "$OUT/tp_test.log" | tail -8
+    # capacity-qwen3's sweep at TP 2; its log keeps each row should the stage be cut.
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
       --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain --shared-engine \
-      --tensor-parallel-size 2 --concurrency 1,16,64,256 --out "$OUT/capacity_tp2.json" \
-      2>&1 | quiet | tail -30
+      --min-requests 32 --tensor-parallel-size 2 --concurrency 1,16,64,256 \
+      --out "$OUT/capacity_tp2.json" 2>&1 | quiet | tee "$OUT/capacity_tp2.log" | tail -30
     ;;
   soak)
     vllm_env; use_recalibrated
