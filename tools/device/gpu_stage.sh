@@ -33,7 +33,8 @@
 #            (or the arms given as third argument), graphs to 2048 tokens (~7 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
 #            speculation, then setup (b)'s capacity sweep at TP 2 with every rank's
-#            admissions compared (vLLM; run on kind nvidia-h200-x2 or -x4, from the queue)
+#            admissions compared (vLLM; run on kind nvidia-h200-x2 or -x4, from the queue;
+#            a third argument names the sweep's arms)
 #   soak     2,000 requests, preemption, aborts, every capacity option, against no
 #            speculation (vLLM; two engines, float32)
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
@@ -62,6 +63,11 @@ vllm_env() {
   . tools/device/register_plugin.sh /tmp/vsite >/dev/null
   # Multi-GPU kinds must keep NVLink multicast off (the device tool's KINDS.md).
   export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  # vLLM's own all-reduces too: at TP > 1 on Hopper its allreduce+RMSNorm fusion takes
+  # FlashInfer's workspace, whose default backend (mnnvl) is built on NVLink multicast (at
+  # 5d337a3 a TP 2 engine then hung at exit in the workspace's destroy); trtllm's is not.
+  # Its symmetric-memory all-reduce is off as well (it may use multimem operations).
+  export VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm VLLM_ALLREDUCE_USE_SYMM_MEM=0
 }
 use_recalibrated() {
   # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
@@ -167,7 +173,7 @@ case "$stage" in
       | tee "$OUT/tp_test.log" | tail -8
     # capacity-qwen3's sweep at TP 2; its log keeps each row should the stage be cut.
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain --shared-engine \
+      --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain}" --shared-engine \
       --min-requests 32 --tensor-parallel-size 2 --concurrency 1,16,64,256 \
       --out "$OUT/capacity_tp2.json" 2>&1 | quiet | tee "$OUT/capacity_tp2.log" | tail -30
     ;;
