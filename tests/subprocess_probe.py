@@ -51,9 +51,15 @@ def run_probe(
     ) as probe:
         try:
             stdout, stderr = probe.communicate(stdin, timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as timeout_error:
             os.killpg(probe.pid, signal.SIGKILL)
-            raise
+            stdout, stderr = probe.communicate()
+            # A result already printed means the probe hung on its way out (engine shutdown).
+            where = "after printing its result" if MARKER in stdout else "before a result"
+            raise TimeoutError(
+                f"{script.name} ran past {timeout} s {where}; its error output ends:\n"
+                + stderr[-6000:]
+            ) from timeout_error
     assert probe.returncode == 0, stderr[-12000:]
     line = next(x for x in stdout.splitlines() if x.startswith(MARKER))
     return json.loads(line.removeprefix(MARKER))

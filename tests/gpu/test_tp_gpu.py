@@ -28,6 +28,27 @@ pytestmark = [
 ]
 _results: dict = {}
 
+# No NVLink multicast (the device tool's KINDS.md: it can take a shared host's GPUs out of
+# service): NCCL's, PyTorch's and vLLM's own. At TP > 1 on Hopper vLLM 0.26.0 fuses
+# all-reduce with RMSNorm through FlashInfer, whose default backend (mnnvl) is built on
+# multicast; a TP 2 engine on it hung at exit in the workspace's destroy (5d337a3).
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_multicast():
+    """The probes' engines inherit the test's environment."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in NO_MULTICAST.items():
+            patch.setenv(name, value)
+        yield
+
 
 def requests() -> list[list[int]]:
     """500 prompts: the 256 held-out ones, then their first halves."""
