@@ -222,13 +222,17 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         self.survival[: call["input_batch"].num_reqs] = UNCOMPUTED_SURVIVAL
         return drafts
 
-    def _observe_verification(self, input_batch, num_sampled) -> None:
-        """Also feeds the calibration metrics and online STS: each slot's drafts proposed
-        last step against what this step verified and accepted of them."""
-        if self.acceptance is None and self.calibration is None and self.online_sts is None:
-            return
-        num_verified, num_accepted = self.drafted_verification(input_batch, num_sampled)
-        self.record_verification(num_verified, num_accepted)
+    @property
+    def _reads_verification(self) -> bool:
+        return (
+            super()._reads_verification
+            or self.calibration is not None
+            or self.online_sts is not None
+        )
+
+    def _observe_drafted(self, input_batch, num_verified, num_accepted) -> None:
+        """Feeds the calibration metrics and online STS: each slot's drafts proposed last
+        step against what this step verified and accepted of them."""
         slots = input_batch.idx_mapping
         if self.calibration is not None:
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)

@@ -315,9 +315,23 @@ class CapacityControl:
 
     def _observe_verification(self, input_batch, num_sampled: torch.Tensor) -> None:
         """The step's verified and accepted drafts per request, for the acceptance
-        controller."""
-        if self.acceptance is not None:
-            self.record_verification(*self.drafted_verification(input_batch, num_sampled))
+        controller and :meth:`_observe_drafted`."""
+        if not self._reads_verification:
+            return
+        num_verified, num_accepted = self.drafted_verification(input_batch, num_sampled)
+        self.record_verification(num_verified, num_accepted)
+        self._observe_drafted(input_batch, num_verified, num_accepted)
+
+    @property
+    def _reads_verification(self) -> bool:
+        """Whether anything reads what each step verified and accepted."""
+        return self.acceptance is not None
+
+    def _observe_drafted(
+        self, input_batch, num_verified: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
+        """Per request of the step that just ran: its drafts verified and accepted (for a
+        speculator's own readers)."""
 
     def drafted_verification(
         self, input_batch, num_sampled: torch.Tensor
