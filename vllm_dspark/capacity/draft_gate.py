@@ -148,9 +148,6 @@ class DraftGate:
     drafting: bool = True
     skipped_in_a_row: int = 0
 
-    def proposal_seconds(self, num_reqs: int, depth: int) -> float:
-        return proposal_seconds(self.draft_seconds, num_reqs, depth)
-
     def gains(
         self,
         num_reqs: int,
@@ -167,7 +164,7 @@ class DraftGate:
         rest = overhead_s + skip_s if plain_s is None else plain_s
         without = num_reqs / (1.0 / float(sps[num_reqs]) + rest)
         best, expected = 0.0, 1.0
-        fixed = self.proposal_seconds(num_reqs, depth) + overhead_s
+        fixed = proposal_seconds(self.draft_seconds, num_reqs, depth) + overhead_s
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
             step = 1.0 / float(sps[num_reqs * (1 + j)]) + fixed + per_draft_s * num_reqs * j
