@@ -9,6 +9,7 @@ from vllm_dspark.capacity.draft_gate import (
     DraftGate,
     SlowestRequest,
     draft_seconds_table,
+    proposal_seconds,
 )
 
 K, R_MAX = 7, 256
@@ -49,8 +50,9 @@ def test_a_shallow_proposal_is_weighed_at_its_own_cost():
     full = draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)
     shallow = draft_seconds_table([(1, 0.5), (256, 2.0)], R_MAX)
     gate = DraftGate(sps_table(0.05, 10.0), {1: shallow, K: full})
-    assert gate.proposal_seconds(256, 1) == pytest.approx(2e-3)
-    assert gate.proposal_seconds(256, 3) == pytest.approx(10e-3)  # computes more than 1
+    assert proposal_seconds(gate.draft_seconds, 256, 1) == pytest.approx(2e-3)
+    # Depth 3 has no timed graph: it is weighed at the next deeper one's cost.
+    assert proposal_seconds(gate.draft_seconds, 256, 3) == pytest.approx(10e-3)
     # At 256 requests, a full proposal does not pay, a one-position one does.
     assert not DraftGate(gate.sps_table, {K: full}).decide(256, survival, K)
     assert not gate.decide(256, survival, K)
