@@ -59,7 +59,7 @@ def requests() -> list[list[int]]:
 def run(tp: int, options: dict | None) -> dict:
     return run_pair(
         options,
-        timeout=1200,
+        timeout=480,  # an engine start (~3 min) and 500 requests, with room
         prompts=requests(),
         max_tokens=MAX_TOKENS,
         gpu_memory_utilization=0.2,

@@ -169,7 +169,7 @@ case "$stage" in
     ;;
   tp)
     vllm_env; use_recalibrated
-    timeout 900 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+    timeout 1500 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider -rA 2>&1 \
       | tee "$OUT/tp_test.log" | tail -8
     # capacity-qwen3's sweep at TP 2; its log keeps each row should the stage be cut.
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
