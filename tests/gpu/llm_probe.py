@@ -307,7 +307,7 @@ def main(spec: dict) -> None:
         result["probe_pid"] = os.getpid()
     if spec.get("check_draft_slots"):
         result["draft_slots"] = llm.collective_rpc(read_draft_slot_check)[0]
-    print("PROBE " + json.dumps(result))
+    print("PROBE " + json.dumps(result), flush=True)  # before any hang at exit
 
 
 if __name__ == "__main__":
