@@ -263,13 +263,13 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
         expanded_idx = batch.idx_mapping[layout.request]
         local_pos = layout.offset.to(torch.int32)
         logits_indices = torch.arange(num_tokens, device=layout.source.device)
-    speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
-    return dataclasses.replace(
+    return _admitted_batch(
+        speculator,
         batch,
+        budget,
+        from_graph,
+        capacity,
         num_tokens=num_tokens,
-        num_draft_tokens=budget,
-        # Per-request counts live on the GPU now; the host keeps only upper bounds.
-        num_draft_tokens_per_req=None,
         expanded_idx_mapping=expanded_idx,
         expanded_local_pos=local_pos,
         logits_indices=logits_indices,
@@ -289,15 +289,29 @@ def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
     capacity = speculator.verify_capacity(batch.idx_mapping, budget)
     layout = compact_layout(capacity, speculator.num_speculative_steps, batch.num_reqs + budget)
     speculator.masked_drafts = layout.dropped
-    speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
-    return dataclasses.replace(
+    return _admitted_batch(
+        speculator,
         batch,
-        num_draft_tokens=budget,
-        num_draft_tokens_per_req=None,
+        budget,
+        from_graph,
+        capacity,
         expanded_idx_mapping=batch.idx_mapping[layout.request],
         expanded_local_pos=layout.offset.to(torch.int32),
         logits_indices=batch.logits_indices[layout.source],
         cu_num_logits=layout.query_start_loc,
+    )
+
+
+def _admitted_batch(speculator, batch, budget: int, from_graph: bool, capacity, **layout):
+    """``batch`` verifying ``budget`` admitted drafts (k_r: ``capacity``) in ``layout``'s
+    fields, its admission recorded for the metrics."""
+    speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
+    return dataclasses.replace(
+        batch,
+        num_draft_tokens=budget,
+        # Per-request counts live on the GPU now; the host keeps only upper bounds.
+        num_draft_tokens_per_req=None,
+        **layout,
     )
 
 
