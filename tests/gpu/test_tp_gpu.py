@@ -9,6 +9,8 @@ shapes and hang or diverge.
 Set DSPARK_RESULTS_DIR to also write ``tp.json`` there.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from gpu_options import EVERY_CAPACITY_OPTION
@@ -28,17 +30,14 @@ pytestmark = [
 ]
 _results: dict = {}
 
-# No NVLink multicast (the device tool's KINDS.md: it can take a shared host's GPUs out of
-# service): NCCL's, PyTorch's and vLLM's own. At TP > 1 on Hopper vLLM 0.26.0 fuses
-# all-reduce with RMSNorm through FlashInfer, whose default backend (mnnvl) is built on
-# multicast; a TP 2 engine on it hung at exit in the workspace's destroy (5d337a3).
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
-}
+# No NVLink multicast: the variables tools/device/gpu_stage.sh sets (what and why: the
+# file's comments), set here too so that the test is safe when run directly.
+NO_MULTICAST_ENV = Path(__file__).parents[2] / "tools/device/no_multicast.env"
+NO_MULTICAST = dict(
+    line.split("=", 1)
+    for line in NO_MULTICAST_ENV.read_text().splitlines()
+    if line and not line.startswith("#")
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

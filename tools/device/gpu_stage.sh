@@ -61,13 +61,8 @@ RECAL=/tmp/recal_pair
 vllm_env() {
   . tools/device/bundle.sh install >/dev/null || exit 1
   . tools/device/register_plugin.sh /tmp/vsite >/dev/null
-  # Multi-GPU kinds must keep NVLink multicast off (the device tool's KINDS.md).
-  export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  # vLLM's own all-reduces too: at TP > 1 on Hopper its allreduce+RMSNorm fusion takes
-  # FlashInfer's workspace, whose default backend (mnnvl) is built on NVLink multicast (at
-  # 5d337a3 a TP 2 engine then hung at exit in the workspace's destroy); trtllm's is not.
-  # Its symmetric-memory all-reduce is off as well (it may use multimem operations).
-  export VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm VLLM_ALLREDUCE_USE_SYMM_MEM=0
+  # Multi-GPU kinds must keep NVLink multicast off (what and why: the file's comments).
+  set -a; . tools/device/no_multicast.env; set +a
 }
 use_recalibrated() {
   # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
