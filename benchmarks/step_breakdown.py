@@ -16,13 +16,13 @@ DSpark arms use vLLM's synthetic acceptance (``rejection_sample_method: "synthet
 capacity control (``dspark_capacity: sps``, curve profiled at start-up, compact
 verification), on drafts accepted with their own synthetic confidence around the same
 profile; their steps verify any number of drafts (``verified_tokens_median``), and a
-proposal the draft gate skips counts with its context-KV work only. ``conf-k7`` is their
-like-for-like baseline: fixed k=7 on the same per-draft acceptance, whose own host work
-the sps arms also pay; ``all-k7`` and ``compact-k7`` add capacity control that admits
-every draft or 0.99 of them (every step compacted), so that their steps against
-``conf-k7``'s are the controller's and the compaction's own cost. ``fp8-k1`` /
-``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the plugin's rowwise FP8 draft LM head
-(``dspark_fp8_draft_head``): that head's share of the drafter's cost. For each
+proposal the draft gate skips counts with its context-KV work only. ``conf-k1`` /
+``conf-k3`` / ``conf-k7`` are their like-for-like baselines: fixed k on the same per-draft
+acceptance, whose own host work the sps arms also pay; ``all-k7`` and ``compact-k7``
+add capacity control that admits every draft or 0.99 of them (every step compacted), so
+that their steps against ``conf-k7``'s are the controller's and the compaction's own
+cost. ``fp8-k1`` / ``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the plugin's rowwise
+FP8 draft LM head (``dspark_fp8_draft_head``): that head's share of the drafter's cost. For each
 concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
 tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
 
@@ -162,6 +162,8 @@ ARMS = {
     "dspark-k7": (7, "rates", {}),
     "fp8-k1": (1, "rates", FP8_HEAD),
     "fp8-k3": (3, "rates", FP8_HEAD),
+    "conf-k1": (1, "confidence", {}),
+    "conf-k3": (3, "confidence", {}),
     "conf-k7": (7, "confidence", {}),
     "all-k7": (7, "confidence", BUDGET | {"dspark_budget_frac": 1.0}),
     "compact-k7": (7, "confidence", BUDGET | {"dspark_budget_frac": 0.99}),

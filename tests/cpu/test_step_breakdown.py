@@ -502,6 +502,18 @@ def test_overhead_arms_are_conf_k7_with_a_budget(engine_config, tmp_path, arm, f
     assert compacted == (arm == "compact-k7")
 
 
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_each_sps_arm_has_a_fixed_k_baseline_on_its_acceptance(tmp_path, k):
+    """conf-k<k> drafts and accepts as sps-k<k> does, without capacity control: the
+    difference between their steps is the controller's."""
+    draft = write_shape("tiny", tmp_path, draft_layers=1, block=k)["draft"]
+    fixed = sb.speculative_config(k, draft, DEFAULT_RATES, *sb.ARMS[f"conf-k{k}"][1:])
+    sps = sb.speculative_config(k, draft, DEFAULT_RATES, *sb.ARMS[f"sps-k{k}"][1:])
+    assert sb.ARMS[f"conf-k{k}"][0] == sb.ARMS[f"sps-k{k}"][0] == k
+    assert "dspark_synthetic_confidence" in fixed and "dspark_capacity" not in fixed
+    assert sps == fixed | {"dspark_capacity": "sps", "dspark_varlen_verify": True}
+
+
 def test_vllm_checks_k_against_dspark_block_size_only(engine_config, tmp_path):
     """Why the docstring says k < 7 would start with the block-7 draft: vLLM 0.26.0 reads
     ``dspark_block_size``, not the Qwen3 DSpark config's ``block_size``."""
