@@ -19,6 +19,7 @@ real verification (DSpark arms only), on windows of its held-out text (``--promp
 ``--shared-engine`` runs the capacity arms of each method (DSpark, DFlash) in one engine,
 started with what they all need and switched between arms
 (:mod:`vllm_dspark.engine_control`); their rows name that engine.
+``--num-drafts`` sets K for every speculating arm (dummy shapes; default 7).
 ``--tensor-parallel-size`` runs every engine on that many GPUs; each speculating row
 then says whether every rank's admissions were identical (``ranks_agree``: the ranks
 must verify the same batches). The JSON is written after every engine, so a later
@@ -184,6 +185,28 @@ def conditional_rates(unconditional: list[float]) -> list[float]:
     return [u / (unconditional[k - 1] if k else 1.0) for k, u in enumerate(unconditional)]
 
 
+def speculative_config(spec: dict) -> dict | None:
+    """The arm's speculative config: its options on K drafts of its method's drafter, with
+    synthetic acceptance on dummy weights (None: no speculation)."""
+    if spec["options"] is None:
+        return None
+    options = dict(spec["options"])
+    method = options.pop("method", "dspark")
+    draft = spec["draft"] if method == "dspark" else spec["dflash"]
+    num_drafts = spec["num_drafts"]
+    speculative = {"method": method, "model": draft, "num_speculative_tokens": num_drafts}
+    if spec["dummy"]:
+        rates = [float(r) for r in spec["rates"].split(",")][:num_drafts]
+        if spec["acceptance"] == "confidence" and method == "dspark":
+            speculative["dspark_synthetic_confidence"] = conditional_rates(rates)
+        else:
+            speculative |= {
+                "rejection_sample_method": "synthetic",
+                "synthetic_acceptance_rates": rates,
+            }
+    return speculative | options
+
+
 def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one JSON line each."""
     from vllm import LLM, SamplingParams
@@ -199,22 +222,8 @@ def run_arm_here(spec: dict) -> None:
         histogram_totals,
     )
 
-    speculative = None
-    if spec["options"] is not None:
-        options = dict(spec["options"])
-        method = options.pop("method", "dspark")
-        draft = spec["draft"] if method == "dspark" else spec["dflash"]
-        speculative = {"method": method, "model": draft, "num_speculative_tokens": 7}
-        if spec["dummy"]:
-            rates = [float(r) for r in spec["rates"].split(",")][:7]
-            if spec["acceptance"] == "confidence" and method == "dspark":
-                speculative["dspark_synthetic_confidence"] = conditional_rates(rates)
-            else:
-                speculative |= {
-                    "rejection_sample_method": "synthetic",
-                    "synthetic_acceptance_rates": rates,
-                }
-        speculative |= options
+    speculative = speculative_config(spec)
+    if speculative is not None:
         # admission_counts_per_rank() reads the speculators' counters in the workers.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
@@ -340,6 +349,22 @@ def is_capacity_arm(arm: str) -> bool:
     return "dspark_capacity" in (ARMS[arm] or {})
 
 
+def check_num_drafts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--num-drafts other than 7 needs a dummy shape (a drafter written for that block), a
+    rate per draft, and no arm whose options assume K = 7."""
+    if args.num_drafts == 7:
+        return
+    if args.pair == "embedded":
+        parser.error("--num-drafts: the embedded pair's drafter has a block of 7")
+    if not 1 <= args.num_drafts <= len(args.rates.split(",")):
+        parser.error(
+            f"--num-drafts {args.num_drafts}: --rates has a rate for drafts 1 to "
+            f"{len(args.rates.split(','))}"
+        )
+    if "dynamic-sd" in args.arms.split(","):
+        parser.error("--num-drafts: the dynamic-sd arm's table is for K = 7")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="embedded", choices=["embedded", *SHAPES])
@@ -348,6 +373,13 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rates", default=DEFAULT_RATES)
+    parser.add_argument(
+        "--num-drafts",
+        type=int,
+        default=7,
+        help="K of every speculating arm (dummy shapes only: their drafts are written with "
+        "a block of K; the embedded pair's is 7)",
+    )
     parser.add_argument("--acceptance", choices=["rates", "confidence"], default="rates")
     parser.add_argument("--sps-curve", help="curve JSON for the sps arm (default: auto)")
     parser.add_argument(
@@ -387,13 +419,14 @@ def main() -> int:
         run_arm_here(json.loads(args.arm_spec))
         return 0
 
+    check_num_drafts(parser, args)
     if args.pair == "embedded":
         from vllm_dspark.demo import EMBEDDED_PAIR
 
         paths = {name: str(EMBEDDED_PAIR / name) for name in ("target", "draft")}
         paths["dflash"] = None  # the embedded pair has no DFlash drafter
     else:
-        paths = write_shape(args.pair, Path(tempfile.mkdtemp()))
+        paths = write_shape(args.pair, Path(tempfile.mkdtemp()), block=args.num_drafts)
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
     arms = args.arms.split(",")
     runs = [[arm, ARMS[arm], None] for arm in arms]  # [label, start-up options, switches]
@@ -420,6 +453,7 @@ def main() -> int:
             "options": options,
             "switch": switch,
             "rates": args.rates,
+            "num_drafts": args.num_drafts,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "concurrency": [int(c) for c in args.concurrency.split(",")],

@@ -191,6 +191,37 @@ def test_offline_sweep_brackets_the_other_engines_with_the_first(monkeypatch, tm
     ]
 
 
+def test_offline_sweep_runs_every_arm_with_the_drafts_asked_for(monkeypatch, tmp_path):
+    """--num-drafts 3: each speculating engine drafts 3 with the first 3 rates, from a
+    drafter written with a block of 3; K other than 7 is refused where it cannot hold."""
+    import types
+
+    import offline_sweep
+
+    specs = []
+
+    def run_engine(command, **kwargs):
+        specs.append(json.loads(command[command.index("--arm-spec") + 1]))
+        return types.SimpleNamespace(stdout="", stderr="", returncode=0)
+
+    monkeypatch.setattr(offline_sweep.subprocess, "run", run_engine)
+    monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows: None)
+    out = ["--out", str(tmp_path / "o.json")]
+    argv = ["offline_sweep.py", "--pair", "tiny", "--arms", "nospec,dspark", "--num-drafts", "3"]
+    monkeypatch.setattr(sys, "argv", [*argv, *out])
+    assert offline_sweep.main() == 0
+    nospec, dspark = map(offline_sweep.speculative_config, specs)
+    assert nospec is None
+    assert dspark["num_speculative_tokens"] == 3
+    assert dspark["synthetic_acceptance_rates"] == [0.8, 0.62, 0.48]
+    draft_config = json.loads((Path(dspark["model"]) / "config.json").read_text())
+    assert draft_config["block_size"] == 3
+    for refused in (["--pair", "embedded"], ["--arms", "dynamic-sd"], ["--num-drafts", "8"]):
+        monkeypatch.setattr(sys, "argv", [*argv, *refused, *out])
+        with pytest.raises(SystemExit):
+            offline_sweep.main()
+
+
 def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, capsys):
     import offline_sweep
     import vllm
@@ -225,6 +256,7 @@ def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, ca
         "prompts": "arithmetic",
         "switch": None,
         "tensor_parallel_size": 2,
+        "num_drafts": 7,
     }
     offline_sweep.run_arm_here(spec)
     rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if "ROW " in line]
