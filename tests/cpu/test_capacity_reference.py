@@ -5,6 +5,7 @@ import torch
 
 from vllm_dspark.capacity.allocation import (
     budget_capacity,
+    masked_forward_table,
     prefix_survival,
     sps_best_count,
     sps_table_from_curve,
@@ -127,6 +128,19 @@ def test_sps_count_maximises_expected_throughput():
     dip = sps_table_from_curve([(1, 100.0), (4, 100.0), (5, 60.0), (14, 100.0), (64, 100.0)], 64)
     assert sps_best_count(SURVIVAL, dip).item() == 12
     assert sps_best_count(SURVIVAL.expand(2, 3, 4), flat_then_cliff).tolist() == [2, 2]
+
+
+def test_a_masked_step_admits_what_a_compacted_one_leaves_out_to_save_its_forward():
+    """Masked, every admission of R = 3 requests runs R (1 + K) = 15 tokens: the drafts
+    left out of a compacted step to keep it at full speed save nothing there."""
+    flat_then_cliff = sps_table_from_curve([(1, 100.0), (5, 100.0), (6, 10.0), (64, 10.0)], 64)
+    masked = masked_forward_table(flat_then_cliff, 3, 4)
+    assert masked[3:16].tolist() == [flat_then_cliff[15].item()] * 13
+    assert masked[16:].tolist() == flat_then_cliff[16:].tolist()  # other batches: as is
+    assert sps_best_count(SURVIVAL, flat_then_cliff).item() == 2
+    assert sps_best_count(SURVIVAL, masked).item() == 12
+    # A per-draft cost still leaves out the drafts whose survival does not pay for it.
+    assert sps_best_count(SURVIVAL, masked, per_draft_seconds=0.05).item() < 12
 
 
 def test_stale_modes_take_their_budget_from_the_previous_step():

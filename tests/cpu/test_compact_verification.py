@@ -327,6 +327,28 @@ def test_acceptance_depth_follows_the_load_on_the_sps_curve():
     # ... while one that grows with the depth computed (dynamic depth) makes it shallower.
     growing = 0.002 * np.arange(1, K + 1)
     assert best_depth(survival, 64, table, draft_s=growing) < at_64
+    # Masked, every depth runs the K drafts through the target: the deepest pays best.
+    assert best_depth(survival, 256, table, masked=True) == K
+
+
+def test_masked_sps_verifies_the_drafts_a_compacted_step_would_leave_out(plugin_speculator):
+    """sps with dspark_varlen_verify=false weighs the masked step's full forward: on a
+    curve where compacting to a few drafts per request saves most of the step, it still
+    admits every draft (the record reads the proposal before the last)."""
+    curve = [[1, 200.0], [64, 190.0], [128, 180.0], [512, 40.0]]
+    survival = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.01]).repeat(64, 1)
+    budgets = {}
+    for varlen in (True, False):
+        speculator = plugin_speculator(
+            dspark_capacity="sps",
+            dspark_sps_curve=curve,
+            dspark_step_overhead_ms=0.0,
+            dspark_varlen_verify=varlen,
+        )
+        for _ in range(2):
+            speculator.record_proposal(survival)
+        budgets[varlen] = speculator.admission_budget(64)
+    assert budgets[True] <= 64 * 3 and budgets[False] == 64 * K
 
 
 def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):

@@ -45,6 +45,27 @@ def test_the_gate_closes_under_load_and_reopens_as_load_leaves():
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(1, [0.0] * K, K)
 
 
+def test_a_masked_gate_weighs_every_step_at_the_full_forward():
+    """Masked verification runs R (1 + K) tokens whether the step verifies one draft per
+    request, all K or none (a skipped proposal's placeholders); a plain step runs R."""
+    survival = [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
+    draft = {K: draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)}
+    compact = DraftGate(sps_table(0.05, 10.0), draft)
+    masked = DraftGate(sps_table(0.05, 10.0), draft, masked_step_drafts=K)
+    full_step = 1.0 / float(compact.sps_table[256 * (1 + K)])
+    assert masked._forward_seconds(256, 1) == masked._forward_seconds(256, 0) == full_step
+    assert compact._forward_seconds(256, 1) < full_step
+    # Under load a compacted step verifying nothing beats drafting; masked, it runs the
+    # same forward as drafting and saves only the proposal, so drafting pays.
+    assert not compact.decide(256, survival, K)
+    on, off = masked.gains(256, survival, K)
+    assert on > off
+    # Against a plain step (R tokens) both weigh the same side without drafting.
+    plain = {"plain_s": 0.0}
+    assert masked.gains(256, survival, K, **plain)[1] == compact.gains(256, survival, K, **plain)[1]
+    assert not masked.decide(256, survival, K, **plain)
+
+
 def test_a_shallow_proposal_is_weighed_at_its_own_cost():
     survival = [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
     full = draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)

@@ -140,6 +140,18 @@ def sps_best_count(
     return (expected / step_seconds).argmax(dim=-1)
 
 
+def masked_forward_table(sps_table: torch.Tensor, num_reqs: int, num_drafts: int) -> torch.Tensor:
+    """``sps_table`` as :func:`sps_best_count` should read it for a step of ``num_reqs``
+    requests verified masked (``dspark_varlen_verify=false``): the target runs all
+    R (1 + K) tokens whatever the step admits, so every admission, none included, costs
+    that forward. (Read with the compacted step's table, a masked step would verify fewer
+    drafts than pay: those left out save no forward time.)"""
+    full = num_reqs * (1 + num_drafts)
+    table = sps_table.clone()
+    table[num_reqs : full + 1] = sps_table[full]
+    return table
+
+
 def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> torch.Tensor:
     """Steps per second for T = 0..max_tokens: linear between the curve's points, held
     below the first, and beyond the last at the last point's tokens per second (SPS

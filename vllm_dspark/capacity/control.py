@@ -30,6 +30,7 @@ from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth, positio
 from vllm_dspark.capacity.allocation import (
     admission_budget,
     budget_capacity,
+    masked_forward_table,
     sps_best_count,
     sps_table_from_curve,
     threshold_count,
@@ -233,7 +234,11 @@ class CapacityControl:
         }
         if not self.gates_drafting or self.sps_table_host is None or not self.draft_tables:
             return
-        self.draft_gate = DraftGate(self.sps_table_host, self.draft_tables)
+        self.draft_gate = DraftGate(
+            self.sps_table_host,
+            self.draft_tables,
+            masked_step_drafts=0 if self.options.varlen_verify else self.num_speculative_steps,
+        )
         if self.acceptance is not None:
             return  # the gate reads the acceptance observed per position
         # Recent prefix survival per position of the mean request, or (gate_objective=batch)
@@ -428,7 +433,13 @@ class CapacityControl:
         else:
             draft = self._proposal_seconds(num_reqs, self.num_speculative_steps)
         target = best_depth(
-            self.acceptance.survival(), num_reqs, self.sps_table_host, fixed, per_draft, draft
+            self.acceptance.survival(),
+            num_reqs,
+            self.sps_table_host,
+            fixed,
+            per_draft,
+            draft,
+            masked=not self.options.varlen_verify,
         )
         return self.acceptance.update(target)
 
@@ -526,15 +537,19 @@ class CapacityControl:
         sps = self.options.capacity == "sps"
         threshold = self.options.confidence_threshold
         fixed = per_draft = 0.0
+        sps_table = None
         if sps:
             # The next step's time beyond its forward: O + a R, its proposal, b per draft.
             overhead = self.step_overhead
             fixed = overhead.per_step_seconds(num_reqs) + self._draft_seconds(num_reqs)
             per_draft = overhead.per_draft_seconds
+            sps_table = self.sps_table
+            if not self.options.varlen_verify:
+                sps_table = masked_forward_table(sps_table, num_reqs, self.num_speculative_steps)
         if use_triton(survival):
             stats = proposal_stats(
                 survival,
-                self.sps_table if sps else None,
+                sps_table,
                 fixed,
                 per_draft,
                 threshold,
@@ -545,7 +560,7 @@ class CapacityControl:
         else:
             sums = survival.clamp(min=0).sum(dim=0)
             if sps:
-                wanted = sps_best_count(survival, self.sps_table, fixed, per_draft)
+                wanted = sps_best_count(survival, sps_table, fixed, per_draft)
             else:
                 wanted = threshold_count(survival, threshold)
         if self.slowest_request is not None:

@@ -145,6 +145,10 @@ class DraftGate:
     sps_table: torch.Tensor  # steps per second at T tokens per step, T = 0..R_max (1 + K)
     # {depth: seconds per proposal at R requests}, the depths whose graphs were timed
     draft_seconds: dict[int, torch.Tensor]
+    # Masked verification (dspark_varlen_verify=false): the K drafts every speculative
+    # step runs through the target, whatever it verifies (a skipped proposal's
+    # placeholders too); 0 when steps are compacted to what they verify.
+    masked_step_drafts: int = 0
     drafting: bool = True
     skipped_in_a_row: int = 0
 
@@ -160,16 +164,23 @@ class DraftGate:
     ) -> tuple[float, float]:
         """(best expected tokens/s with drafting, tokens/s without: a plain step's when
         ``plain_s`` is given, else a speculative step's after a skipped proposal)."""
-        sps = self.sps_table
-        rest = overhead_s + skip_s if plain_s is None else plain_s
-        without = num_reqs / (1.0 / float(sps[num_reqs]) + rest)
+        if plain_s is None:  # a speculative step verifying nothing
+            without = num_reqs / (self._forward_seconds(num_reqs, 0) + overhead_s + skip_s)
+        else:  # a plain decode step: R tokens, compacted or not
+            without = num_reqs / (1.0 / float(self.sps_table[num_reqs]) + plain_s)
         best, expected = 0.0, 1.0
         fixed = proposal_seconds(self.draft_seconds, num_reqs, depth) + overhead_s
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
-            step = 1.0 / float(sps[num_reqs * (1 + j)]) + fixed + per_draft_s * num_reqs * j
+            step = self._forward_seconds(num_reqs, j) + fixed + per_draft_s * num_reqs * j
             best = max(best, num_reqs * expected / step)
         return best, without
+
+    def _forward_seconds(self, num_reqs: int, drafts_per_req: int) -> float:
+        """The target's forward for a speculative step verifying ``drafts_per_req`` drafts
+        per request (all K when masked)."""
+        tokens = num_reqs * (1 + (self.masked_step_drafts or drafts_per_req))
+        return 1.0 / float(self.sps_table[tokens])
 
     def decide(self, num_reqs: int, mean_survival: list[float], depth: int, **costs) -> bool:
         """Whether the coming proposal drafts (``costs``: the step costs :meth:`gains`
