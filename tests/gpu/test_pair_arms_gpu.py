@@ -3,7 +3,8 @@ no speculation, and do what they are for.
 
 - every capacity mode with compact verification (budget, threshold, sps with a made-up
   curve and with the curve profiled at start-up; budget with dynamic depth), and budget
-  with masked verification (varlen_verify off), switched in one engine, keeps greedy
+  and sps with masked verification (varlen_verify off; masked sps admits at least the
+  share the compacted one does), switched in one engine, keeps greedy
   outputs identical to no speculation. In float32, where bf16
   batch-shape noise cannot flip near ties; there the target runs Triton attention, so the
   compacted steps run as vLLM runs mixed batches (PIECEWISE graphs);
@@ -86,6 +87,13 @@ CAPACITY_ARMS = {
     "sps": {
         "capacity": "sps",
         "sps_curve": [[1, 1000.0], [128, 900.0], [512, 400.0], [2048, 120.0]],
+    },
+    # The same curve verified masked: every step runs all K drafts through the target, so
+    # sps weighs that forward and admits what the compacted arm leaves out to save it.
+    "sps-masked": {
+        "capacity": "sps",
+        "sps_curve": [[1, 1000.0], [128, 900.0], [512, 400.0], [2048, 120.0]],
+        "varlen_verify": False,
     },
     # The curve profiled at start-up from this GPU's graph replays.
     "sps-auto": {"capacity": "sps"},
@@ -208,8 +216,13 @@ def test_capacity_modes_are_lossless(arms, mode):
     if mode.endswith("-plain"):
         assert admission["proposals_skipped"] > 0
     else:
-        # This pair's own curve may make every draft worth verifying.
-        assert capped_rate <= fixed_rate if mode == "sps-auto" else capped_rate < fixed_rate
+        # This pair's own curve may make every draft worth verifying, and so may masking.
+        admits_all = mode in ("sps-auto", "sps-masked")
+        assert capped_rate <= fixed_rate if admits_all else capped_rate < fixed_rate
+    if mode == "sps-masked":
+        compacted = arms["sps"]["admission"]
+        admitted = admission["admitted"] / admission["proposed"]
+        assert admitted >= compacted["admitted"] / compacted["proposed"], (admission, compacted)
     # Steps admitting every draft run uncompacted; some step must have been decided.
     assert admission["steps"] > 0 or admission["admitted"] == admission["proposed"] > 0
     if mode.startswith("budget"):
