@@ -13,13 +13,13 @@ from sts_ceiling import noise_floor, split_by_prompt, study  # noqa: E402
 K = 3
 
 
-def records(scale: float, steps: int = 20_000, seed: int = 0):
+def records(scale: float, steps: int = 20_000, seed: int = 0, shift: float = 0.0):
     """Verify records whose confidence logits are the true ones times ``scale`` (1: a
-    calibrated head; 2: overconfident, which temperature 2 undoes)."""
+    calibrated head; 2: overconfident, which temperature 2 undoes), plus ``shift``."""
     rng = np.random.default_rng(seed)
     true_logits = rng.normal(0.5, 1.5, (steps, K))
     accepted = rng.random((steps, K)) < 1 / (1 + np.exp(-true_logits))
-    return true_logits * scale, accepted, rng.integers(0, 100, steps)
+    return true_logits * scale + shift, accepted, rng.integers(0, 100, steps)
 
 
 def test_a_calibrated_head_sits_at_the_noise_floor_and_keeps_temperature_one():
@@ -40,6 +40,15 @@ def test_an_overconfident_head_is_fixed_by_its_temperature_in_and_out_of_sample(
     # The reliability table shows the overconfidence: low predictions come true more often.
     low = found["reliability_checkpoint_temperatures"][0][0]
     assert low["observed"] > low["predicted"]
+
+
+def test_a_biased_head_needs_platts_bias_where_a_temperature_falls_short():
+    """Logits 1.5 too high: no temperature undoes a shift, a bias of -1.5 does."""
+    logits, accepted, prompts = records(scale=1.0, shift=1.5)
+    found = study(logits, accepted, prompts, [1.0] * K, splits=1)
+    platt = found["platt_in_sample"]
+    assert platt["biases"][0] == pytest.approx(-1.5, abs=0.2)
+    assert max(platt["ece"]) < 0.02 < min(found["sts_in_sample"]["ece"])
 
 
 def test_halves_split_prompts_not_steps():
