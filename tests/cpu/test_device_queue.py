@@ -44,6 +44,8 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
         )
         return done.stdout
 
+    # On a machine where no queue ran (a fresh one, the earlier having gone back): said.
+    assert "no queue on this machine" in queue("wait", "30")
     assert "queued" in queue("start", "abc123", "breakdown:nospec,k1:2048", "bad")
     assert "queue done" in queue("wait", "30")
     with tarfile.open(out / "results.tar.gz") as archive:

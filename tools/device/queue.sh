@@ -14,7 +14,9 @@
 # /tmp/queue/log. A stage written with a trailing ! gates the rest: when it fails, the
 # queue stops there (so a broken build does not spend the session's device time); give the
 # machine back then. `wait` returns one archive, results.tar.gz (the device returns at most 8
-# files), and prints the log's tail. The device copy has no .git: name the commit.
+# files), and prints the log's tail; on a machine where no queue ran (a fresh one: the
+# earlier went back while idle) it says so and fails. The device copy has no .git: name
+# the commit.
 set -u
 cmd=${1:?usage: queue.sh start COMMIT STAGE... | wait SECONDS}
 root=${QUEUE_ROOT:-/tmp/queue}
@@ -62,6 +64,11 @@ case "$cmd" in
     ;;
   wait)
     seconds=${2:?seconds}; waited=0
+    if [ ! -f "$root/running" ] && [ ! -f "$root/log" ]; then
+      # No queue ever ran here: the machine is a fresh one (the earlier went back idle).
+      echo "no queue on this machine: it is a fresh one, which has no stashed parts either"
+      exit 3
+    fi
     while [ -f "$root/running" ] && [ "$waited" -lt "$seconds" ]; do
       sleep 5; waited=$((waited + 5))
     done
