@@ -356,10 +356,10 @@ def check_num_drafts(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         return
     if args.pair == "embedded":
         parser.error("--num-drafts: the embedded pair's drafter has a block of 7")
-    if not 1 <= args.num_drafts <= len(args.rates.split(",")):
+    num_rates = len(args.rates.split(","))
+    if not 1 <= args.num_drafts <= num_rates:
         parser.error(
-            f"--num-drafts {args.num_drafts}: --rates has a rate for drafts 1 to "
-            f"{len(args.rates.split(','))}"
+            f"--num-drafts {args.num_drafts}: --rates has a rate for drafts 1 to {num_rates}"
         )
     if "dynamic-sd" in args.arms.split(","):
         parser.error("--num-drafts: the dynamic-sd arm's table is for K = 7")

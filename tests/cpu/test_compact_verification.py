@@ -328,7 +328,7 @@ def test_acceptance_depth_follows_the_load_on_the_sps_curve():
     growing = 0.002 * np.arange(1, K + 1)
     assert best_depth(survival, 64, table, draft_s=growing) < at_64
     # Masked, every depth runs the K drafts through the target: the deepest pays best.
-    assert best_depth(survival, 256, table, masked=True) == K
+    assert best_depth(survival, 256, table, masked_step_drafts=K) == K
 
 
 def test_masked_sps_verifies_the_drafts_a_compacted_step_would_leave_out(plugin_speculator):

@@ -70,15 +70,15 @@ def best_depth(
     fixed_s: float = 0.0,
     per_draft_s: float = 0.0,
     draft_s: np.ndarray | float = 0.0,
-    masked: bool = False,
+    masked_step_drafts: int = 0,
 ) -> int:
     """The d in 1..K of most expected tokens per second (the module's formula), ``fixed_s``
     being O + a R at this batch and ``draft_s`` D_1(R)..D_K(R) (or one time for all).
-    ``masked`` (``dspark_varlen_verify=false``): every depth's step runs all K drafts
-    through the target, at the forward time of R (1 + K) tokens."""
+    ``masked_step_drafts`` (K with ``dspark_varlen_verify=false``, else 0): every depth's
+    step runs that many drafts per request through the target."""
     depths = np.arange(1, len(survival) + 1)
     expected = 1.0 + np.cumsum(survival)
-    tokens = np.minimum(num_reqs * (1 + (len(survival) if masked else depths)), len(sps_table) - 1)
+    tokens = np.minimum(num_reqs * (1 + (masked_step_drafts or depths)), len(sps_table) - 1)
     forward = 1.0 / sps_table.double().numpy()[tokens]
     step = forward + draft_s + fixed_s + per_draft_s * num_reqs * depths
     return int(depths[np.argmax(expected / step)])

@@ -237,7 +237,7 @@ class CapacityControl:
         self.draft_gate = DraftGate(
             self.sps_table_host,
             self.draft_tables,
-            masked_step_drafts=0 if self.options.varlen_verify else self.num_speculative_steps,
+            masked_step_drafts=self.masked_step_drafts,
         )
         if self.acceptance is not None:
             return  # the gate reads the acceptance observed per position
@@ -249,6 +249,13 @@ class CapacityControl:
             self.slowest_request = SlowestRequest(
                 self.max_num_reqs, self.num_speculative_steps, self.device
             )
+
+    @property
+    def masked_step_drafts(self) -> int:
+        """Drafts per request every speculative step runs through the target whatever it
+        verifies: K when verified masked (``dspark_varlen_verify=false``), 0 when compacted
+        to what it verifies."""
+        return 0 if self.options.varlen_verify else self.num_speculative_steps
 
     @property
     def gates_drafting(self) -> bool:
@@ -439,7 +446,7 @@ class CapacityControl:
             fixed,
             per_draft,
             draft,
-            masked=not self.options.varlen_verify,
+            masked_step_drafts=self.masked_step_drafts,
         )
         return self.acceptance.update(target)
 
@@ -544,8 +551,8 @@ class CapacityControl:
             fixed = overhead.per_step_seconds(num_reqs) + self._draft_seconds(num_reqs)
             per_draft = overhead.per_draft_seconds
             sps_table = self.sps_table
-            if not self.options.varlen_verify:
-                sps_table = masked_forward_table(sps_table, num_reqs, self.num_speculative_steps)
+            if self.masked_step_drafts:
+                sps_table = masked_forward_table(sps_table, num_reqs, self.masked_step_drafts)
         if use_triton(survival):
             stats = proposal_stats(
                 survival,

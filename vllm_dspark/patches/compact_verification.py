@@ -124,10 +124,11 @@ def _make_execute_wrapper(execute_model):
             self.speculator.step_tokens = len(scheduler_output.num_scheduled_tokens)
             self.speculator.step_plain = True
         budget = _step_budget(self, scheduler_output)
-        masked = budget is not None and not self.speculator.options.varlen_verify
+        masked_drafts = self.speculator.masked_step_drafts
+        masked = budget is not None and masked_drafts > 0
         if masked:  # the target runs every draft: what the step's forward costs
             num_reqs = len(scheduler_output.num_scheduled_tokens)
-            self.speculator.step_tokens = num_reqs * (1 + self.speculator.num_speculative_steps)
+            self.speculator.step_tokens = num_reqs * (1 + masked_drafts)
         token = _step_budget_var.set(None if masked else budget)
         mask_token = _step_mask_var.set(budget if masked else None)
         try:
