@@ -2,6 +2,7 @@
 methods as vLLM's does, the aggregation of per-step records, and the vLLM 0.26.0
 methods and call sites the probe relies on (its GPU run is on the H200)."""
 
+import importlib.util
 import inspect
 import json
 import sys
@@ -651,7 +652,7 @@ def test_main_runs_one_process_per_arm_with_a_block_k_draft_and_merges(tmp_path,
     assert record["device"] == "NVIDIA H200"
 
 
-def test_host_profile_reports_time_per_execute_model_call():
+def test_host_profile_reports_time_per_execute_model_call(tmp_path):
     def busy(n: int) -> int:
         total, i = 0, 0
         while i < n:
@@ -659,8 +660,17 @@ def test_host_profile_reports_time_per_execute_model_call():
             i += 1
         return total
 
+    # A function defined in a file of a vllm_dspark folder: the plugin's own table.
+    plugin_file = tmp_path / "vllm_dspark" / "controller.py"
+    plugin_file.parent.mkdir()
+    plugin_file.write_text("def admit(busy):\n    return busy(5_000)\n")
+    spec = importlib.util.spec_from_file_location("fake_controller", plugin_file)
+    controller = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(controller)
+
     def execute_model() -> None:
         busy(20_000)
+        controller.admit(busy)
 
     worker = SimpleNamespace()
     sb.start_host_profile(worker)
@@ -670,10 +680,16 @@ def test_host_profile_reports_time_per_execute_model_call():
     assert report["steps"] == 4
     assert report["by_own_time"][0]["function"].endswith(":busy")
     cumulative = {row["function"].rsplit(":", 1)[1]: row for row in report["by_cumulative_time"]}
-    assert cumulative["busy"]["calls_per_step"] == 1.0
+    assert cumulative["busy"]["calls_per_step"] == 2.0  # from execute_model and admit
     # Nearly all of a step is busy's own time, counted once per step.
     step_us = cumulative["execute_model"]["cumulative_us_per_step"]
-    assert 0.9 * step_us <= report["by_own_time"][0]["own_us_per_step"] <= step_us
+    busy_us = report["by_own_time"][0]["own_us_per_step"]
+    assert 0.9 * step_us <= busy_us <= step_us
+    plugin = report["plugin_by_cumulative_time"]
+    assert [row["function"] for row in plugin] == ["controller.py:1:admit"]
+    # admit's cumulative time holds the busy work it calls, beyond its own one line.
+    admit = plugin[0]
+    assert 10 * admit["own_us_per_step"] <= admit["cumulative_us_per_step"] < busy_us
 
 
 def test_the_embedded_pair_runs_its_own_acceptance_and_confidence():
