@@ -5,7 +5,8 @@
 
 Starts vLLM on the target (dummy weights unless --real-weights), then, inside the
 worker, times a decode step for every captured FULL decode CUDA graph (T tokens, one
-per request: the shapes vLLM runs in decode) with the plugin's profiler,
+per request: the shapes vLLM runs in decode), and for a few larger decode steps, which
+run without a graph, with the plugin's profiler,
 :func:`vllm_dspark.capacity.sps_profile.time_target_steps` (the one ``dspark_sps_curve``
 ``auto`` runs at start-up): host input preparation, graph replay and the LM head over
 the T tokens, median of --rounds groups of --repeats steps. The curve is written as

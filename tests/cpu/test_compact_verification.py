@@ -624,6 +624,65 @@ def test_sps_profile_times_the_captured_uniform_decode_graphs_only():
     assert decode_graph_shapes(SimpleNamespace(cudagraph_manager=None)) == []
 
 
+def test_sps_profile_times_decode_steps_past_the_largest_graph_too():
+    from vllm_dspark.capacity.sps_profile import eager_decode_shapes
+
+    graphs = [(8, 1), (256, 32), (512, 64)]
+    runner = SimpleNamespace(decode_query_len=8, max_num_reqs=256, max_num_tokens=8192)
+    # One request past the largest graph (the jump to no graph), then 2x, 4x, the most.
+    assert eager_decode_shapes(runner, graphs) == [(520, 65), (1024, 128), (2048, 256)]
+    # The most a step holds: max_num_batched_tokens over the query length (and max_num_seqs).
+    runner.max_num_tokens = 1024
+    assert eager_decode_shapes(runner, graphs) == [(520, 65), (1024, 128)]
+    runner.max_num_reqs, runner.max_num_tokens = 80, 8192
+    assert eager_decode_shapes(runner, graphs) == [(520, 65), (640, 80)]
+    runner.max_num_reqs = 64  # the graphs already reach the largest step
+    assert eager_decode_shapes(runner, graphs) == []
+    assert eager_decode_shapes(runner, []) == []
+
+
+def test_sps_profile_reports_each_shapes_time_per_step(monkeypatch):
+    """Every step's time comes out per step, whether its group ran 10 graph replays or 3
+    steps without a graph; a step's cost here is 1 ms per 100 tokens on a fake clock."""
+    from vllm_dspark.capacity import sps_profile
+
+    clock = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def execute_model(scheduled, dummy_run):
+        assert dummy_run
+        num_tokens = scheduled.total_num_scheduled_tokens
+        clock[0] += num_tokens / 100.0
+        runner.execute_model_state = SimpleNamespace(hidden_states=torch.zeros(num_tokens, 2))
+
+    runner = SimpleNamespace(
+        decode_query_len=8,
+        max_num_reqs=256,
+        max_num_tokens=2048,
+        execute_model=execute_model,
+        execute_model_state=None,
+        model=SimpleNamespace(compute_logits=lambda hidden: hidden),
+        kv_connector=SimpleNamespace(set_disabled=lambda disabled: None),
+    )
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(sps_profile, "decode_graph_shapes", lambda r: [(8, 1), (512, 64)])
+    rows = sps_profile.time_target_steps(runner, repeats=10, eager_repeats=3)
+    assert [tokens for tokens, _ in rows] == [8, 512, 520, 1024, 2048]
+    assert [ms for _, ms in rows] == pytest.approx([0.08, 5.12, 5.2, 10.24, 20.48])
+
+
 def test_vllms_draft_token_counters_count_the_admitted_drafts(plugin_speculator, speculator):
     """The worker reports K - k_r per request with the step's output; the scheduler folds
     it into vLLM's own statistics, which then count verified drafts per position."""

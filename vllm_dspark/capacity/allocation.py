@@ -155,9 +155,10 @@ def masked_forward_table(sps_table: torch.Tensor, num_reqs: int, num_drafts: int
 def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> torch.Tensor:
     """Steps per second for T = 0..max_tokens: linear between the curve's points, held
     below the first, and beyond the last at the last point's tokens per second (SPS
-    falling as 1/T). A profiled curve ends at the largest captured graph, and steps beyond
-    it are compute-bound (and run without graphs): holding SPS there would make every
-    draft past the end look free, so ``sps`` would verify all of them under load."""
+    falling as 1/T). A profiled curve reaches the largest decode step the runner takes
+    (past its largest graph, timed without one: :mod:`sps_profile`); a given curve may
+    stop short, and steps past its end are compute-bound: holding SPS there would make
+    every draft past the end look free, so ``sps`` would verify all of them under load."""
     points = torch.tensor(curve, dtype=torch.float64)
     tokens = torch.arange(max_tokens + 1, dtype=torch.float64)
     index = torch.searchsorted(points[:, 0].contiguous(), tokens).clamp(1, len(curve) - 1)

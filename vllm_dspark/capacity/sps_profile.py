@@ -10,6 +10,15 @@ host's preparation overlaps the GPU as in serving); the median of ``rounds`` suc
 is kept. Dummy requests attend only their own query tokens, so the curve measures the
 weight-bound cost that dominates decode; long contexts lower SPS at large T further.
 
+Past the largest captured graph the same dummy steps run as real ones do there, without a
+graph (:func:`eager_decode_shapes`): a step one request larger already pays every kernel
+launch (on the H200, Qwen3-8B shape, the target's forward at 1,024 tokens took 34.0 ms
+without a graph and 24.6 ms with one: step_breakdown.json, step_breakdown_graphs1024).
+The curve used to end at the largest graph and be extrapolated at its tokens per second,
+which made those steps look cheap: ``sps`` at 256 requests (graphs to 512 tokens, 5b1d70a)
+admitted 1.7 drafts per request, so most steps ran 600-700 tokens without a graph, and
+reached 0.84x no speculation where closing its gate had reached 1.19x (06f3fff).
+
 :func:`time_draft_graphs` times a speculator's captured draft graphs, per batch size:
 what a proposal costs, for deciding whether drafting pays at all.
 """
@@ -38,6 +47,20 @@ def decode_graph_shapes(runner) -> list[tuple[int, int]]:
     )
 
 
+def eager_decode_shapes(runner, graph_shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(tokens, requests) of uniform decode steps past the largest of ``graph_shapes``
+    (the captured ones, smallest first), which run without a graph: one request more than
+    it, twice and four times its requests, and the most requests a decode step can hold
+    (``max_num_seqs``, and ``max_num_batched_tokens`` over the decode query length)."""
+    if not graph_shapes:
+        return []
+    query_len = runner.decode_query_len
+    largest = graph_shapes[-1][1]
+    most = min(runner.max_num_reqs, runner.max_num_tokens // query_len)
+    candidates = {largest + 1, 2 * largest, 4 * largest, most}
+    return [(r * query_len, r) for r in sorted(candidates) if largest < r <= most]
+
+
 def _dummy_decode(num_tokens: int, num_reqs: int):
     from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -56,25 +79,30 @@ def _decode_step(runner, scheduled, num_tokens: int) -> None:
 
 @torch.inference_mode()
 def time_target_steps(
-    runner, warmup: int = 3, repeats: int = 10, rounds: int = 3
+    runner, warmup: int = 3, repeats: int = 10, rounds: int = 3, eager_repeats: int = 3
 ) -> list[tuple[int, float]]:
-    """[(T, median ms per target step)] for every captured decode graph of the runner."""
+    """[(T, median ms per target step)] for every captured decode graph of the runner, then
+    for the decode steps past the largest one (``eager_repeats`` steps per group: each
+    takes tens of milliseconds); none without a captured graph (``auto`` then refuses)."""
+    graphs = decode_graph_shapes(runner)
+    shapes = [(*shape, repeats) for shape in graphs]
+    shapes += [(*shape, eager_repeats) for shape in eager_decode_shapes(runner, graphs)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     runner.kv_connector.set_disabled(True)
     try:
-        for num_tokens, num_reqs in decode_graph_shapes(runner):
+        for num_tokens, num_reqs, group in shapes:
             scheduled = _dummy_decode(num_tokens, num_reqs)
             for _ in range(warmup):
                 _decode_step(runner, scheduled, num_tokens)
             times = []
             for _ in range(rounds):
                 start.record()
-                for _ in range(repeats):
+                for _ in range(group):
                     _decode_step(runner, scheduled, num_tokens)
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) / repeats)
+                times.append(start.elapsed_time(end) / group)
             rows.append((num_tokens, statistics.median(times)))
     finally:
         runner.kv_connector.set_disabled(False)

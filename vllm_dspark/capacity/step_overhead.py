@@ -1,7 +1,7 @@
 """The part of a speculative step's time that the SPS curve does not see.
 
 ``sps`` weighs expected tokens against the step's time. The curve SPS(T) times the
-target's forward alone (CUDA-graph replays); a real step also schedules, prepares inputs,
+target's forward alone (dummy decode steps); a real step also schedules, prepares inputs,
 samples, rejects and hands its output back, on the host and the GPU. Leaving that out
 makes each verified draft look dearer than it is: on the H200 the Qwen3-8B shape's step
 at 256 requests took 11.0 ms against 8.98 ms on the curve, and the embedded pair's steps

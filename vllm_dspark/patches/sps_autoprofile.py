@@ -2,7 +2,8 @@
 
 What: wraps ``GPUModelRunner.capture_model`` of ``vllm.v1.worker.gpu.model_runner``: once
 vLLM has captured the target's CUDA graphs, the runner times a decode step for every
-captured FULL decode graph (:mod:`vllm_dspark.capacity.sps_profile`), takes the slowest
+captured FULL decode graph and a few larger decode steps, which run without a graph
+(:mod:`vllm_dspark.capacity.sps_profile`), takes the slowest
 rank's time per point under tensor parallelism (so every rank admits alike) and hands
 the curve to the speculator's ``sps`` or ``acceptance`` capacity mode; then times the
 speculator's captured draft graphs per batch size (and per depth, with dynamic depth) the
