@@ -153,6 +153,22 @@ def engine_kwargs(
     return kwargs
 
 
+def seeded_params(max_tokens: int, count: int, offset: int) -> list:
+    """Greedy sampling parameters for the ``count`` prompts of ``sweep_prompts(count,
+    offset)``, each with a seed of its own that every arm gives the same prompt. Calibrated
+    synthetic acceptance draws from the seed and the draft's position (common random
+    numbers: :mod:`vllm_dspark.capacity.synthetic`), so arms meet the same draws; greedy
+    outputs do not read the seed."""
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=(offset << 20) + i
+        )
+        for i in range(count)
+    ]
+
+
 def sweep_prompts(
     count: int, offset: int, prompt_len: int, stream: list[int] | None = None
 ) -> list[dict]:
@@ -285,9 +301,11 @@ def run_arm_here(spec: dict) -> None:
                 tokens, seconds = 0, 0.0
                 for wave in range(waves):
                     # Offsets 7 apart: no prompt starts like an earlier one's (no cache).
-                    batch = prompts(concurrency, concurrency + 7 * (repeat * waves + wave))
+                    offset = concurrency + 7 * (repeat * waves + wave)
+                    batch = prompts(concurrency, offset)
+                    seeded = seeded_params(spec["output_len"], concurrency, offset)
                     start = time.perf_counter()
-                    outputs = llm.generate(batch, params, use_tqdm=False)
+                    outputs = llm.generate(batch, seeded, use_tqdm=False)
                     seconds += time.perf_counter() - start
                     tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
                 tok_s.append(round(tokens / seconds, 1))

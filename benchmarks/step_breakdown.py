@@ -136,6 +136,7 @@ from offline_sweep import (  # noqa: E402
     conditional_rates,
     engine_kwargs,
     heldout_stream,
+    seeded_params,
     sweep_prompts,
 )
 from shapes import write_shape  # noqa: E402
@@ -975,7 +976,8 @@ def run_arm_here(spec: dict) -> None:
         before = SpecDecodeCounts.from_metrics(llm.get_metrics())
         llm.collective_rpc(start_recording, args=(concurrency,))
         start = time.perf_counter()
-        outputs = llm.generate(prompts(concurrency, concurrency), params, use_tqdm=False)
+        seeded = seeded_params(spec["output_len"], concurrency, concurrency)
+        outputs = llm.generate(prompts(concurrency, concurrency), seeded, use_tqdm=False)
         seconds = time.perf_counter() - start
         data = llm.collective_rpc(fetch_records)[0]
         counts = SpecDecodeCounts.from_metrics(llm.get_metrics()) - before

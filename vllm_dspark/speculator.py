@@ -302,7 +302,8 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
             if self.draft_logits is not None:
                 point_mass_draws(self.draft_logits, slots[:, 0], previous, first=depth)
         if self.synthetic is not None:
-            self.confidence_logits[:num_reqs] = self.synthetic.draw(num_reqs)
+            seeds = self.seeds[slots[:, 0]]
+            self.confidence_logits[:num_reqs] = self.synthetic.draw(seeds, positions)
         if self.has_confidence:
             self.survival[:num_reqs] = prefix_survival(
                 self.confidence_logits[:num_reqs], self.temperatures

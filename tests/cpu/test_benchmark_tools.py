@@ -112,14 +112,19 @@ def fake_llm(monkeypatch):
 
     class FakeLLM:
         batches: list[list[list[int]]] = []
+        params: list = []  # each batch's sampling parameters: one, or one per prompt
 
         def __init__(self, **kwargs):
             pass
 
         def generate(self, prompts, params, use_tqdm=False):
             self.batches.append([p["prompt_token_ids"] for p in prompts])
-            output = types.SimpleNamespace(token_ids=[0] * params.max_tokens)
-            return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
+            self.params.append(params)
+            per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+            return [
+                types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * p.max_tokens)])
+                for p in per_prompt
+            ]
 
         def get_metrics(self):
             return []
@@ -157,6 +162,15 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch
     first_blocks = [tuple(prompt[:16]) for batch in seen_prompts[2:] for prompt in batch]
     first_blocks += [tuple(prompt[:16]) for prompt in seen_prompts[0]]
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
+    # Each measured prompt greedy with a seed of its own, which another arm's run of the
+    # same prompts repeats (the synthetic acceptance's common random numbers).
+    measured = fake_llm.params[3:]
+    seeds = [[p.seed for p in batch] for batch in measured]
+    assert all(p.temperature == 0.0 for batch in measured for p in batch)
+    assert len({seed for batch in seeds for seed in batch}) == 3 * 2
+    fake_llm.params.clear()
+    offline_sweep.run_arm_here(spec)
+    assert [[p.seed for p in batch] for batch in fake_llm.params[3:]] == seeds
 
 
 def test_offline_sweep_brackets_the_other_engines_with_the_first(monkeypatch, tmp_path):

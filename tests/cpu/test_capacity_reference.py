@@ -192,16 +192,27 @@ def test_confidence_modes_really_vary_the_verified_depth(mode):
 
 def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
     from vllm_dspark.capacity.allocation import conditional_confidence
-    from vllm_dspark.capacity.synthetic import SyntheticConfidence, accepted_lengths
+    from vllm_dspark.capacity.synthetic import (
+        SyntheticConfidence,
+        acceptance_draws,
+        accepted_lengths,
+    )
 
-    torch.manual_seed(0)
     medians = [0.8, 0.6, 0.5, 0.4]
-    logits = SyntheticConfidence(medians, torch.device("cpu")).draw(100_000)
+    # 100,000 requests of distinct seeds, each drafting positions 11..14.
+    seeds = torch.arange(100_000) * 7919 - 2**40
+    first = torch.full((100_000,), 10)
+    positions = first.unsqueeze(1) + torch.arange(1, 5)
+    logits = SyntheticConfidence(medians, torch.device("cpu")).draw(seeds, positions)
     survival = prefix_survival(logits, torch.ones(4))
     confidence = conditional_confidence(survival)
     torch.testing.assert_close(confidence, torch.sigmoid(logits))
     assert torch.sigmoid(logits).median(dim=0).values.tolist() == pytest.approx(medians, abs=0.01)
-    uniform = torch.rand(confidence.shape)
+    # The logit noise is a standard normal.
+    noise = logits - torch.logit(torch.tensor(medians))
+    assert noise.mean().item() == pytest.approx(0.0, abs=0.01)
+    assert noise.std().item() == pytest.approx(1.0, abs=0.01)
+    uniform = acceptance_draws(seeds, first, 4)
     lengths = accepted_lengths(confidence, torch.full((100_000,), 4), uniform)
     # Calibrated by construction: the accepted share of drafts reaching position k equals
     # the mean confidence there.
@@ -214,6 +225,31 @@ def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
     assert accepted_lengths(sure, torch.tensor([0, 2, 4]), torch.zeros(3, 4)).tolist() == [0, 2, 4]
     gap = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     assert accepted_lengths(gap, torch.tensor([4]), torch.full((1, 4), 0.5)).tolist() == [1]
+
+
+def test_synthetic_draws_are_common_to_every_batch_layout():
+    """A draw is a function of (seed, position, stream) alone: the same request drafting
+    the same position meets the same draw in any batch (row, companions, packing); draws
+    of neighbouring positions and seeds are uncorrelated."""
+    from vllm_dspark.capacity.synthetic import ACCEPT_STREAM, counter_uniform
+
+    seeds = torch.tensor([5, -(2**62), 2**40 + 3])
+    positions = torch.tensor([[100, 101, 102]]).repeat(3, 1)
+    alone = counter_uniform(seeds[1:2].unsqueeze(1), positions[1:2], ACCEPT_STREAM)
+    batch = counter_uniform(seeds.unsqueeze(1), positions, ACCEPT_STREAM)
+    reordered = counter_uniform(seeds.flip(0).unsqueeze(1), positions, ACCEPT_STREAM)
+    assert torch.equal(batch[1], alone[0]) and torch.equal(reordered[1], alone[0])
+    assert torch.equal(reordered[0], batch[2])
+    # Streams, seeds and positions all change the draw.
+    assert not torch.equal(counter_uniform(seeds.unsqueeze(1), positions, 1), batch)
+    many = counter_uniform(torch.arange(20_000).unsqueeze(1), torch.arange(64), ACCEPT_STREAM)
+    assert 0.0 < many.min().item() and many.max().item() < 1.0
+    assert many.mean().item() == pytest.approx(0.5, abs=0.002)
+    assert many.var().item() == pytest.approx(1 / 12, abs=0.001)
+    next_position = (many[:, :-1].flatten(), many[:, 1:].flatten())
+    next_seed = (many[:-1].flatten(), many[1:].flatten())
+    for pair in (next_position, next_seed):
+        assert abs(torch.corrcoef(torch.stack(pair))[0, 1].item()) < 0.01
 
 
 def test_acceptance_mode_really_changes_the_depth():

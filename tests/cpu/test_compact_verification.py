@@ -263,13 +263,33 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
     speculator = SimpleNamespace(slot_survival=torch.zeros(4, K))
     speculator.slot_survival[1] = 1.0  # slot 1: every draft sure to pass
     speculator.slot_survival[3, :2] = 1.0  # slot 3: two sure drafts, then none
+    speculator.slot_survival[2] = 0.5 ** torch.arange(1, K + 1)  # slot 2: each draft 1/2
     calibrated_synthetic._speculator = lambda: speculator
     wrapped = calibrated_synthetic._make_wrapper(all_accepted)
-    cu = torch.tensor([0, 8, 12, 13])  # requests of slots 1, 3, 0: 7, 3 and 0 drafts
-    args = [None, None, None, cu, None, torch.tensor([1, 3, 0]), None, None, None, None, K]
-    sampled, num_sampled = wrapped(*args, None, use_fp64=False)
-    assert sampled == "sampled"
-    assert num_sampled.tolist() == [8, 3, 1] and num_sampled.dtype == torch.int32
+    seeds = torch.tensor([11, 12, 13, 14])  # per slot
+
+    def verify(cu, slots, first_positions):
+        """One step: the requests of ``slots`` verify cu[i+1] - cu[i] - 1 drafts each,
+        their first logit at ``first_positions`` and the rest one position apart."""
+        counts = (cu[1:] - cu[:-1]).tolist()
+        runs = zip(first_positions, counts, strict=True)
+        pos = torch.cat([first + torch.arange(n) for first, n in runs])
+        args = [None, None, None, cu, pos, torch.tensor(slots), None, None, None, seeds, K]
+        sampled, num_sampled = wrapped(*args, None, use_fp64=False)
+        assert sampled == "sampled" and num_sampled.dtype == torch.int32
+        return num_sampled.tolist()
+
+    # Requests of slots 1, 3, 0: 7, 3 and 0 drafts.
+    assert verify(torch.tensor([0, 8, 12, 13]), [1, 3, 0], [40, 50, 60]) == [8, 3, 1]
+    # Slot 2's draws depend on its seed and positions only, not on the batch around it:
+    # alone, packed behind others, or with fewer drafts verified (a prefix of the same).
+    alone = verify(torch.tensor([0, 8]), [2], [70])[0]
+    packed = verify(torch.tensor([0, 8, 16]), [1, 2], [40, 70])[1]
+    assert alone == packed
+    assert verify(torch.tensor([0, 3]), [2], [70])[0] == min(alone, 3)
+    # Other positions draw anew: over many, each draft passes about half the time.
+    lengths = [verify(torch.tensor([0, 8]), [2], [p])[0] - 1 for p in range(0, 4000, 8)]
+    assert sum(length >= 1 for length in lengths) / len(lengths) == pytest.approx(0.5, abs=0.07)
     calibrated_synthetic._speculator = None
 
 

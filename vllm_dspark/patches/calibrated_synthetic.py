@@ -5,7 +5,8 @@ rejection_sampler``. vLLM's kernel runs in its synthetic mode with every rate at
 verified draft accepted, the sampled tensor laid out as usual); then each request's
 accepted count is cut where a uniform draw first reaches above the draft's confidence
 (:func:`vllm_dspark.capacity.synthetic.accepted_lengths`), from the confidences the
-speculator drew for the drafts being verified.
+speculator drew for the drafts being verified; the draw is a function of the request's
+seed and the draft's position (common to every arm that drafts it).
 Why: vLLM 0.26.0's synthetic acceptance has one rate per position, so a capacity
 controller cannot be measured with dummy weights; this makes acceptance follow
 per-draft confidences that are calibrated by construction.
@@ -23,7 +24,7 @@ import weakref
 import torch
 
 from vllm_dspark.capacity.allocation import conditional_confidence, verification_counts
-from vllm_dspark.capacity.synthetic import accepted_lengths
+from vllm_dspark.capacity.synthetic import acceptance_draws, accepted_lengths
 from vllm_dspark.patches.wrapping import wrap
 
 SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
@@ -47,7 +48,9 @@ def _make_wrapper(rejection_sample):
         num_verified, _ = verification_counts(cu_num_logits, num_sampled)
         slots = call.arguments["idx_mapping"].long()
         confidence = conditional_confidence(speculator.slot_survival[slots])
-        uniform = torch.rand(confidence.shape, device=confidence.device)
+        first_positions = call.arguments["pos"][cu_num_logits[:-1].long()]
+        seeds = call.arguments["seed"][slots]
+        uniform = acceptance_draws(seeds, first_positions, confidence.shape[1])
         lengths = accepted_lengths(confidence, num_verified, uniform)
         return sampled, torch.minimum(num_sampled, (lengths + 1).to(num_sampled.dtype))
 
