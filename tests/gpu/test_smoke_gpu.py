@@ -16,6 +16,9 @@ pytestmark = [
     pytest.mark.skipif(not (EMBEDDED_PAIR / "draft").is_dir(), reason="embedded pair not built"),
 ]
 NUM_PROMPTS, MAX_TOKENS = 32, 64
+# More requests than vLLM's largest decode graph holds (512 tokens: 64 requests of 1 + 7),
+# so that the start-up SPS profile also times decode steps without a graph.
+MAX_NUM_SEQS, NUM_DRAFTS = 96, 7
 # Arms of the one engine (started with every option): sps exercises the proposal kernel
 # and the draft gate; budget surely compacts (sps may admit every draft, or none).
 ARMS = {
@@ -31,6 +34,7 @@ def test_every_capacity_option_runs_compacted_steps_in_full_graphs():
         dtype="bfloat16",
         prompts=prompts,
         max_tokens=MAX_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
         switch=[[name, updates] for name, updates in ARMS.items()],
         timeout=400,
     )
@@ -39,3 +43,6 @@ def test_every_capacity_option_runs_compacted_steps_in_full_graphs():
     sps, budget = result["arms"]["sps"]["admission"], result["arms"]["budget"]["admission"]
     assert sps["proposed"] > 0, sps
     assert budget["steps"] > 0 and budget["graph_steps"] == budget["steps"], budget
+    # The SPS curve reaches the largest decode step the engine can run.
+    curve = result["arms"]["sps"]["gate"]["sps_curve"]
+    assert curve[-1][0] == MAX_NUM_SEQS * (1 + NUM_DRAFTS), curve
