@@ -15,9 +15,9 @@ def write(directory: Path, name: str, body: dict) -> None:
     (directory / name).write_text(json.dumps(RECORD | body))
 
 
-def sweep_rows(setup: str, run: int, tok_s: dict) -> list[dict]:
+def sweep_rows(setup: str, tok_s: dict) -> list[dict]:
     return [
-        {"setup": setup, "run": run, "arm": arm, "concurrency": c, "tok_s": value}
+        {"setup": setup, "arm": arm, "concurrency": c, "tok_s": value}
         for (arm, c), value in tok_s.items()
     ]
 
@@ -31,15 +31,15 @@ def test_every_target_is_checked_from_its_record(tmp_path):
     setup = "qwen3-8b/confidence"
     current = {("sps", 64): 100.0, ("sps-depth", 64): 110.0, ("nospec", 64): 50.0}
     current |= {("sps", 256): 200.0, ("sps-depth", 256): 190.0, ("threshold", 256): 150.0}
-    # An earlier run of the same setup, and the other setup, must not count.
-    rows = sweep_rows(setup, 1, current) + sweep_rows(setup, 0, {("sps", 64): 999.0})
-    rows += sweep_rows("embedded", 1, {("nospec", 64): 999.0, ("nospec", 256): 999.0})
-    runs = [{"commit": "old"}, {"commit": "new", "setup": setup}]
+    # The other setup's run, listed first (as in the file), must not count.
+    rows = sweep_rows("embedded", {("nospec", 64): 999.0, ("nospec", 256): 999.0})
+    rows += sweep_rows(setup, current)
+    runs = [{"commit": "old", "setup": "embedded"}, {"commit": "new", "setup": setup}]
     write(tmp_path, "capacity_sweep.json", {"runs": runs, "rows": rows})
     dflash = {(arm, c): 100.0 for arm in ("dflash", "nospec") for c in (1, 16, 64, 256)}
     dflash |= {("dflash-acceptance", c): 101.0 for c in (1, 16, 64, 256)}
     dflash |= {("dflash-plain", c): 99.0 for c in (1, 16, 64, 256)}
-    dflash_rows = sweep_rows(setup, 0, dflash)
+    dflash_rows = sweep_rows(setup, dflash)
     for row in dflash_rows:
         if row["concurrency"] == 256 and row["arm"] in ("nospec", "dflash-acceptance"):
             row["tok_s_repeats"] = [row["tok_s"] - 1, row["tok_s"], row["tok_s"] + 5]
@@ -56,7 +56,7 @@ def test_every_target_is_checked_from_its_record(tmp_path):
     assert depth_entry["passes"] and abs(depth_entry["measured"]["ratio"] - 3.5 / 6.5) < 1e-9
     assert gain["passes"] is None  # a measurement, not a threshold
     assert gain["measured"]["64"]["gain"] == 1.1
-    assert gain["evidence"]["commit"] == "new"  # the run's, not the file's
+    assert gain["evidence"]["commit"] == "new"  # setup (b)'s run, not the file's or (a)'s
     assert gain["measured"]["256"] | {"gain": 0} == {
         "sps_depth": 190.0,
         "best_other_arm": "sps",
