@@ -1,12 +1,15 @@
-"""tools/depth_sts_summary.py: the depth / DFlash / online-STS targets from the GPU records."""
+"""tools/targets_summary.py: the capacity and the depth / DFlash / online-STS targets from
+the GPU records."""
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
 
-from depth_sts_summary import summarize  # noqa: E402
+from targets_summary import summarize  # noqa: E402
 
 RECORD = {"commit": "abc", "date": "d", "device": "H200"}
 
@@ -50,7 +53,7 @@ def test_every_target_is_checked_from_its_record(tmp_path):
         "online_sts.json",
         {"evaluation": evaluation, "greedy_identical": True, "greedy_identical_prompts": 200},
     )
-    entries, missing = summarize(tmp_path)
+    entries, missing = summarize(tmp_path, "depth-sts")
     assert missing == []
     depth_entry, gain, dflash_entry, sts = entries
     assert depth_entry["passes"] and abs(depth_entry["measured"]["ratio"] - 3.5 / 6.5) < 1e-9
@@ -77,6 +80,48 @@ def test_every_target_is_checked_from_its_record(tmp_path):
 
 
 def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
-    entries, missing = summarize(tmp_path)
-    assert len(missing) == 4
-    assert all(entry["passes"] is None and entry["measured"] is None for entry in entries)
+    for issue in ("capacity", "depth-sts"):
+        entries, missing = summarize(tmp_path, issue)
+        assert len(missing) == 4
+        assert all(entry["passes"] is None and entry["measured"] is None for entry in entries)
+
+
+def test_capacity_targets_are_checked_from_the_sweep_and_the_newest_breakdown(tmp_path):
+    concurrencies = (1, 16, 64, 256)
+    setup_b = {("nospec", c): 100.0 for c in concurrencies}
+    setup_b |= {("dspark", c): 200.0 for c in concurrencies}
+    setup_b |= {("sps", 1): 193.0, ("sps", 16): 210.0, ("sps", 64): 205.0, ("sps", 256): 112.0}
+    setup_a = {("nospec", c): 100.0 for c in concurrencies}
+    setup_a |= {("dspark", c): 90.0 + c for c in concurrencies}
+    setup_a |= {("sps", c): 99.0 for c in concurrencies}  # below no speculation everywhere
+    setup_a |= {("sps-plain", c): 101.0 + c for c in concurrencies}  # above both everywhere
+    rows = sweep_rows("embedded", setup_a) + sweep_rows("qwen3-8b/confidence", setup_b)
+    runs = [
+        {"commit": "a", "setup": "embedded"},
+        {"commit": "b", "setup": "qwen3-8b/confidence"},
+    ]
+    write(tmp_path, "capacity_sweep.json", {"runs": runs, "rows": rows})
+    for date, all_k7 in (("2026-12-01", 14.0), ("2026-12-04", 10.2)):
+        steps = [("conf-k7", 64, 10.0), ("all-k7", 64, all_k7), ("all-k7", 1, 99.0)]
+        body = {
+            "date": date,
+            "rows": [{"arm": arm, "concurrency": c, "step_ms_median": ms} for arm, c, ms in steps],
+        }
+        write(tmp_path, f"step_breakdown_overhead_{date}.json", body)
+    entries, missing = summarize(tmp_path, "capacity")
+    assert missing == []
+    under_load, against_best, embedded, overhead = entries
+    assert under_load["passes"] and under_load["measured"]["ratio"] == 1.12
+    assert under_load["evidence"]["commit"] == "b"
+    # 0.965x fixed k=7 at one request: missed, whatever the other concurrencies do.
+    assert not against_best["passes"]
+    assert against_best["measured"]["1"] == {"best_other_arm": "dspark", "ratio": 0.965}
+    assert against_best["measured"]["256"]["best_other_arm"] == "dspark"
+    # sps-plain meets both everywhere, sps neither: the target passes on sps-plain.
+    assert embedded["passes"] and embedded["evidence"]["commit"] == "a"
+    assert set(embedded["measured"]) == {"sps", "sps-plain"}
+    assert embedded["measured"]["sps"]["1"]["over_nospec"] == 0.99
+    assert embedded["measured"]["sps-plain"]["256"]["over_fixed"] == 357.0 / 346.0
+    # The newest breakdown counts (1.02x), not the older (1.4x).
+    assert overhead["passes"] and overhead["measured"]["ratio"] == pytest.approx(1.02)
+    assert overhead["evidence"]["file"].endswith("overhead_2026-12-04.json")
