@@ -48,6 +48,7 @@ def fake_drafter(depth: int):
         temperatures=torch.ones(K),
         survival=torch.ones(R, K),
         draft_tokens=torch.full((R, K), -1, dtype=torch.long),
+        seeds=torch.tensor([17, -(2**50), 3]),  # per request slot
         rows_seen=rows_seen,
     )
 
@@ -70,6 +71,30 @@ def test_a_shallow_proposal_drafts_the_same_leading_tokens_and_admits_nothing_be
     survival[0, :2] = 0.0  # underflowed survivals still rank above uncomputed ones
     for budget in range(1, R * 2 + 1):
         assert (budget_capacity(survival, budget) <= 2).all()
+
+
+def test_synthetic_confidence_is_drawn_from_each_rows_seed_and_positions():
+    """With calibrated synthetic confidence each row draws from its request slot's seed
+    and its drafts' positions: the same request in another row draws the same logits."""
+    from vllm_dspark.capacity.synthetic import SyntheticConfidence
+
+    hidden = torch.randn(R * K, H, generator=torch.Generator().manual_seed(1))
+    medians = [0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35]
+    drafters = [fake_drafter(K), fake_drafter(3)]
+    # The second holds the requests in reverse rows (slot 2 first), at the same positions.
+    drafters[1].sample_idx_mapping = drafters[1].sample_idx_mapping.flip(0)
+    drafters[1].sample_pos = torch.arange(R * K).view(R, K).flip(0).reshape(-1)
+    for drafter in drafters:
+        drafter.synthetic = SyntheticConfidence(medians, torch.device("cpu"))
+        DSparkPluginSpeculator._sample_sequential(drafter, R, hidden)
+    full, shallow = drafters
+    positions = torch.arange(R * K).view(R, K)
+    expected = full.synthetic.draw(full.seeds, positions)
+    torch.testing.assert_close(full.confidence_logits, expected)
+    torch.testing.assert_close(shallow.confidence_logits, expected.flip(0))
+    # Past the depth computed: survival below every admission, as with a real head.
+    assert (shallow.survival[:, 3:] == UNCOMPUTED_SURVIVAL).all()
+    assert not torch.equal(expected[0], expected[1])  # requests draw apart
 
 
 def fake_dflash(depth: int, probabilistic: bool):
