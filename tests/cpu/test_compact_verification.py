@@ -656,6 +656,9 @@ def test_sps_profile_times_decode_steps_past_the_largest_graph_too():
     assert eager_decode_shapes(runner, graphs) == [(520, 65), (1024, 128)]
     runner.max_num_reqs, runner.max_num_tokens = 80, 8192
     assert eager_decode_shapes(runner, graphs) == [(520, 65), (640, 80)]
+    # No further than four times the largest graph's requests (a server's 1,024).
+    runner.max_num_reqs = 1024
+    assert eager_decode_shapes(runner, graphs) == [(520, 65), (1024, 128), (2048, 256)]
     runner.max_num_reqs = 64  # the graphs already reach the largest step
     assert eager_decode_shapes(runner, graphs) == []
     assert eager_decode_shapes(runner, []) == []

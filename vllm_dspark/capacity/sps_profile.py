@@ -51,12 +51,16 @@ def eager_decode_shapes(runner, graph_shapes: list[tuple[int, int]]) -> list[tup
     """(tokens, requests) of uniform decode steps past the largest of ``graph_shapes``
     (the captured ones, smallest first), which run without a graph: one request more than
     it, twice and four times its requests, and the most requests a decode step can hold
-    (``max_num_seqs``, and ``max_num_batched_tokens`` over the decode query length)."""
+    (``max_num_seqs``, and ``max_num_batched_tokens`` over the decode query length) if
+    that is not more. No further: each timed step computes the LM head's logits for all
+    its tokens (at 8,192 tokens of a 152k vocabulary, 2.5 GB), which vLLM's memory
+    profile may not have set aside, and far past the graphs a step is compute-bound,
+    where the table holds tokens per second anyway."""
     if not graph_shapes:
         return []
     query_len = runner.decode_query_len
     largest = graph_shapes[-1][1]
-    most = min(runner.max_num_reqs, runner.max_num_tokens // query_len)
+    most = min(runner.max_num_reqs, runner.max_num_tokens // query_len, 4 * largest)
     candidates = {largest + 1, 2 * largest, 4 * largest, most}
     return [(r * query_len, r) for r in sorted(candidates) if largest < r <= most]
 
