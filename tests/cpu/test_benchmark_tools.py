@@ -102,6 +102,15 @@ def test_graphs_to_extends_vllms_capture_sizes_past_512():
     }
 
 
+def test_sweep_engines_cache_no_prefix():
+    """Arms switched in one engine run the same prompts one after another: none may find
+    them cached (the first arm would pay every prefill the later ones skip)."""
+    from offline_sweep import engine_kwargs
+
+    assert engine_kwargs("m")["enable_prefix_caching"] is False
+    assert engine_kwargs("m", dummy=False, graphs_to=1024)["enable_prefix_caching"] is False
+
+
 @pytest.fixture
 def fake_llm(monkeypatch):
     """``vllm.LLM`` replaced by an engine that generates zeros at once and records each
