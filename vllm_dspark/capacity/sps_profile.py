@@ -17,7 +17,8 @@ without a graph and 24.6 ms with one: step_breakdown.json, step_breakdown_graphs
 The curve used to end at the largest graph and be extrapolated at its tokens per second,
 which made those steps look cheap: ``sps`` at 256 requests (graphs to 512 tokens, 5b1d70a)
 admitted 1.7 drafts per request, so most steps ran 600-700 tokens without a graph, and
-reached 0.84x no speculation where closing its gate had reached 1.19x (06f3fff).
+reached 0.84x no speculation where closing its gate had reached 1.19x (06f3fff; both
+with the benefit of prompts an earlier arm left in the prefix cache).
 
 :func:`time_draft_graphs` times a speculator's captured draft graphs, per batch size:
 what a proposal costs, for deciding whether drafting pays at all.
