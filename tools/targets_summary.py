@@ -31,6 +31,7 @@ EMBEDDED_SETUP = "embedded"  # setup (a)
 SPS_UNDER_LOAD = 1.10  # setup (b): sps over no speculation at 256 requests
 SPS_AGAINST_BEST = 0.97  # setup (b): sps over the best other arm, every concurrency
 OVERHEAD_LIMIT = 1.03  # admit-everything step over fixed k=7's, 64 requests
+CACHED_TTFT = 0.7  # an arm's time to a first token below this share of no speculation's
 # The sweep's capacity arms (offline_sweep.ARMS), and its fixed-depth arm (DSpark k=7).
 CAPACITY_ARMS = ("budget", "threshold", "sps", "sps-depth", "sps-plain", "sps-batch")
 FIXED_K_ARMS = ("dspark",)
@@ -42,16 +43,51 @@ def _evidence(record: dict, name: str) -> dict:
     }
 
 
-def _setup(record: dict, setup: str) -> tuple[dict[tuple[str, int], float], dict]:
-    """A capacity_sweep.json setup's tok/s by (arm, concurrency) and its run's record
-    (``runs`` names each run's setup, command, commit, date and device)."""
+def _setup(record: dict, setup: str) -> tuple[dict[tuple[str, int], float], dict, set[str]]:
+    """A capacity_sweep.json setup's tok/s by (arm, concurrency), its run's record
+    (``runs`` names each run's setup, command, commit, date and device) and its
+    :func:`cached_arms`."""
     rows = [row for row in record["rows"] if row.get("setup") == setup]
     run = next((run for run in record.get("runs", []) if run.get("setup") == setup), {})
-    return _tok_s(rows), run
+    return _tok_s(rows), run, cached_arms(rows)
 
 
 def _tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
     return {(row["arm"], row["concurrency"]): row["tok_s"] for row in rows}
+
+
+def cached_arms(rows: list[dict]) -> set[str]:
+    """Arms whose mean time to a first token at the largest concurrency is below
+    CACHED_TTFT of no speculation's: the same prompts, so their prefill was skipped (arms
+    after the first of a shared engine with vLLM's prefix cache on, before 2026-12-04);
+    their throughput does not compare. Rows without the time flag nothing."""
+    ttft = {(row["arm"], row["concurrency"]): row.get("mean_ttft_s") for row in rows}
+    top = max((c for arm, c in ttft if arm == "nospec"), default=None)
+    base = ttft.get(("nospec", top))
+    if not base:
+        return set()
+    return {
+        arm for (arm, c), t in ttft.items() if c == top and t is not None and t < CACHED_TTFT * base
+    }
+
+
+def _verdict(passes: bool, subjects: set[str], rivals: set[str], cached: set[str]) -> bool | None:
+    """``passes`` of ``subjects`` measured against ``rivals``, or None where an arm that
+    skipped its prefill (:func:`cached_arms`) could have decided it: a pass of a cached
+    subject, or a failure against a cached rival (skipping only ever helps)."""
+    if passes:
+        return None if subjects & cached else True
+    return None if rivals & cached else False
+
+
+def _every(verdicts: list[bool | None]) -> bool | None:
+    """Met if every verdict is: False if one is False, else None if one is unknown."""
+    return False if False in verdicts else (None if None in verdicts else True)
+
+
+def _some(verdicts: list[bool | None]) -> bool | None:
+    """Met if one verdict is: else None if one is unknown, else False."""
+    return True if True in verdicts else (None if None in verdicts else False)
 
 
 def depth_time(record: dict) -> dict:
@@ -66,7 +102,7 @@ def depth_time(record: dict) -> dict:
 
 def depth_gain(record: dict) -> dict:
     """sps-depth against the best other arm of setup (b)'s run, at 64 and 256 requests."""
-    tok_s, run = _setup(record, SWEEP_SETUP)
+    tok_s, run, _ = _setup(record, SWEEP_SETUP)
     measured = {}
     for concurrency in (64, 256):
         others = {
@@ -94,7 +130,7 @@ def dflash(record: dict) -> dict:
     """Each acceptance-controller arm the run has (``dflash-*``: without and with dynamic
     depth and plain steps) against fixed depth and no speculation, with both arms'
     repeats at 256 where recorded; the target passes if one arm meets all of it."""
-    tok_s = _tok_s(record["rows"])
+    tok_s, cached = _tok_s(record["rows"]), cached_arms(record["rows"])
     repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in record["rows"]}
     concurrencies = sorted({c for arm, c in tok_s if arm == "dflash"})
     measured = {}
@@ -108,14 +144,21 @@ def dflash(record: dict) -> dict:
                     arm: repeats[(arm, 256)],
                     "nospec": repeats[("nospec", 256)],
                 }
+    verdicts = [
+        _verdict(
+            min(arm["over_fixed"].values()) >= 1.0 and arm["over_nospec_256"] > 1.0,
+            {name},
+            {"dflash", "nospec"},
+            cached,
+        )
+        for name, arm in measured.items()
+    ]
     return {
         "target": "DFlash + acceptance controller >= DFlash fixed at 1/16/64/256, > no "
         "speculation at 256",
-        "passes": any(
-            min(arm["over_fixed"].values()) >= 1.0 and arm["over_nospec_256"] > 1.0
-            for arm in measured.values()
-        ),
+        "passes": _some(verdicts),
         "measured": measured,
+        "prefill_cached_arms": sorted(cached),
     }
 
 
@@ -136,28 +179,38 @@ def online_sts(record: dict) -> dict:
 
 
 def sps_under_load(record: dict) -> dict:
-    tok_s, run = _setup(record, SWEEP_SETUP)
+    tok_s, run, cached = _setup(record, SWEEP_SETUP)
     ratio = tok_s[("sps", 256)] / tok_s[("nospec", 256)]
     return {
         "target": f"setup (b): sps at 256 requests >= {SPS_UNDER_LOAD}x no speculation",
-        "passes": ratio >= SPS_UNDER_LOAD,
-        "measured": {"sps": tok_s[("sps", 256)], "nospec": tok_s[("nospec", 256)], "ratio": ratio},
+        "passes": _verdict(ratio >= SPS_UNDER_LOAD, {"sps"}, {"nospec"}, cached),
+        "measured": {
+            "sps": tok_s[("sps", 256)],
+            "nospec": tok_s[("nospec", 256)],
+            "ratio": ratio,
+        },
+        "prefill_cached_arms": sorted(cached),
         "evidence": run,
     }
 
 
 def sps_against_every_arm(record: dict) -> dict:
-    tok_s, run = _setup(record, SWEEP_SETUP)
+    tok_s, run, cached = _setup(record, SWEEP_SETUP)
     measured = {}
     for concurrency in sorted({c for arm, c in tok_s if arm == "sps"}):
         others = {arm: v for (arm, c), v in tok_s.items() if c == concurrency and arm != "sps"}
         best = max(others, key=others.get)
         ratio = tok_s[("sps", concurrency)] / others[best]
         measured[str(concurrency)] = {"best_other_arm": best, "ratio": ratio}
+    verdicts = [
+        _verdict(entry["ratio"] >= SPS_AGAINST_BEST, {"sps"}, {entry["best_other_arm"]}, cached)
+        for entry in measured.values()
+    ]
     return {
         "target": f"setup (b): sps >= {SPS_AGAINST_BEST}x the best other arm at every concurrency",
-        "passes": all(entry["ratio"] >= SPS_AGAINST_BEST for entry in measured.values()),
+        "passes": _every(verdicts),
         "measured": measured,
+        "prefill_cached_arms": sorted(cached),
         "evidence": run,
     }
 
@@ -165,7 +218,7 @@ def sps_against_every_arm(record: dict) -> dict:
 def embedded_pair(record: dict) -> dict:
     """Each capacity arm of setup (a) against the best fixed-depth arm and no speculation
     at every concurrency; the target passes if one arm meets both everywhere."""
-    tok_s, run = _setup(record, EMBEDDED_SETUP)
+    tok_s, run, cached = _setup(record, EMBEDDED_SETUP)
     concurrencies = sorted({c for arm, c in tok_s if arm == "nospec"})
     measured = {}
     for arm in [arm for arm in CAPACITY_ARMS if (arm, concurrencies[0]) in tok_s]:
@@ -179,11 +232,19 @@ def embedded_pair(record: dict) -> dict:
     return {
         "target": "setup (a): a capacity arm >= the best fixed-k arm and >= no speculation at "
         "every concurrency",
-        "passes": any(
-            min(min(ratios.values()) for ratios in per_concurrency.values()) >= 1.0
-            for per_concurrency in measured.values()
+        "passes": _some(
+            [
+                _verdict(
+                    min(min(ratios.values()) for ratios in per_concurrency.values()) >= 1.0,
+                    {arm},
+                    {*FIXED_K_ARMS, "nospec"},
+                    cached,
+                )
+                for arm, per_concurrency in measured.items()
+            ]
         ),
         "measured": measured,
+        "prefill_cached_arms": sorted(cached),
         "evidence": run,
     }
 

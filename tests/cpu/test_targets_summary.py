@@ -76,6 +76,13 @@ def test_every_target_is_checked_from_its_record(tmp_path):
     }
     assert "repeats_256" not in dflash_entry["measured"]["dflash-plain"]  # none recorded
     assert not sts["passes"]  # position 2's ECE is 0.031
+    # The arm that meets the DFlash target skipped its prefill: no verdict.
+    for row in dflash_rows:
+        row["mean_ttft_s"] = 0.2 if row["arm"] == "dflash-acceptance" else 0.5
+    write(tmp_path, "dflash_acceptance.json", {"rows": dflash_rows})
+    dflash_entry = summarize(tmp_path, "depth-sts")[0][2]
+    assert dflash_entry["passes"] is None
+    assert dflash_entry["prefill_cached_arms"] == ["dflash-acceptance"]
     assert sts["evidence"] == {"file": "benchmarks/results/online_sts.json"} | RECORD
 
 
@@ -125,3 +132,20 @@ def test_capacity_targets_are_checked_from_the_sweep_and_the_newest_breakdown(tm
     # The newest breakdown counts (1.02x), not the older (1.4x).
     assert overhead["passes"] and overhead["measured"]["ratio"] == pytest.approx(1.02)
     assert overhead["evidence"]["file"].endswith("overhead_2026-12-04.json")
+    assert under_load["prefill_cached_arms"] == []  # no time to a first token recorded
+    # An arm whose first tokens came in under 0.7x no speculation's time skipped its
+    # prefill (prompts an earlier arm of its engine left cached): no verdict rests on it.
+    for row in rows:
+        row["mean_ttft_s"] = 0.2 if row["arm"] == "sps" else 0.5
+    write(tmp_path, "capacity_sweep.json", {"runs": runs, "rows": rows})
+    under_load, against_best, embedded, _ = summarize(tmp_path, "capacity")[0]
+    assert under_load["passes"] is None  # a pass the skipped prefill may have made
+    assert against_best["passes"] is False  # 0.965x at one request, even with the help
+    assert under_load["prefill_cached_arms"] == ["sps"]
+    assert embedded["passes"]  # sps-plain, which paid its prefill, still meets it
+    for row in rows:
+        row["mean_ttft_s"] = 0.2 if row["arm"] == "sps-plain" else 0.5
+    write(tmp_path, "capacity_sweep.json", {"runs": runs, "rows": rows})
+    embedded = summarize(tmp_path, "capacity")[0][2]
+    # Only the cached arm meets it: unknown (sps, which paid its prefill, misses).
+    assert embedded["passes"] is None and embedded["prefill_cached_arms"] == ["sps-plain"]
