@@ -56,6 +56,12 @@ def _tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
     return {(row["arm"], row["concurrency"]): row["tok_s"] for row in rows}
 
 
+def _best_other(tok_s: dict[tuple[str, int], float], arm: str, concurrency: int) -> str:
+    """The fastest arm other than ``arm`` at ``concurrency``."""
+    others = {a: value for (a, c), value in tok_s.items() if c == concurrency and a != arm}
+    return max(others, key=others.get)
+
+
 def cached_arms(rows: list[dict]) -> set[str]:
     """Arms whose mean time to a first token at the largest concurrency is below
     CACHED_TTFT of no speculation's: the same prompts, so their prefill was skipped (arms
@@ -105,17 +111,12 @@ def depth_gain(record: dict) -> dict:
     tok_s, run, _ = _setup(record, SWEEP_SETUP)
     measured = {}
     for concurrency in (64, 256):
-        others = {
-            arm: value
-            for (arm, c), value in tok_s.items()
-            if c == concurrency and arm != "sps-depth"
-        }
-        best = max(others, key=others.get)
+        best = _best_other(tok_s, "sps-depth", concurrency)
         measured[str(concurrency)] = {
             "sps_depth": tok_s[("sps-depth", concurrency)],
             "best_other_arm": best,
-            "best_other": others[best],
-            "gain": tok_s[("sps-depth", concurrency)] / others[best],
+            "best_other": tok_s[(best, concurrency)],
+            "gain": tok_s[("sps-depth", concurrency)] / tok_s[(best, concurrency)],
         }
     return {
         "target": "throughput gain of physical depth over the best capacity arm, 64 and 256",
@@ -198,9 +199,8 @@ def sps_against_every_arm(record: dict) -> dict:
     tok_s, run, cached = _setup(record, SWEEP_SETUP)
     measured = {}
     for concurrency in sorted({c for arm, c in tok_s if arm == "sps"}):
-        others = {arm: v for (arm, c), v in tok_s.items() if c == concurrency and arm != "sps"}
-        best = max(others, key=others.get)
-        ratio = tok_s[("sps", concurrency)] / others[best]
+        best = _best_other(tok_s, "sps", concurrency)
+        ratio = tok_s[("sps", concurrency)] / tok_s[(best, concurrency)]
         measured[str(concurrency)] = {"best_other_arm": best, "ratio": ratio}
     verdicts = [
         _verdict(entry["ratio"] >= SPS_AGAINST_BEST, {"sps"}, {entry["best_other_arm"]}, cached)
