@@ -178,7 +178,7 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
             checkpoint = self.draft_model_config.model
             rank = model.model.markov_head.markov_w1.weight.shape[1]
             self.confidence = ConfidenceHead.from_checkpoint(
-                checkpoint, self.hidden_size + rank, self.device
+                checkpoint, self.hidden_size + rank, self.num_speculative_steps, self.device
             )
             self.temperatures = resolve_temperatures(
                 self.options.confidence_temperature,
@@ -271,7 +271,7 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
                 # c_k reads h_k, the previous token and the distribution draft k is drawn
                 # from, never draft k itself.
                 self.confidence_logits[:num_reqs, step] = self.confidence(
-                    hidden[:, step], markov_embed, logits
+                    hidden[:, step], markov_embed, logits, step
                 )
             if self.draft_logits is None:
                 index = self.heads.dspark_greedy(logits, hidden[:, step], markov_embed)

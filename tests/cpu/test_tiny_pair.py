@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -357,42 +358,62 @@ def test_confidence_grad_scale_changes_gradients_not_values(pair):
     assert grads[0.0][1].abs().sum() == 0
 
 
-def test_confidence_head_refit_learns_conditional_acceptance():
+def test_position_heads_learn_each_positions_conditional_acceptance():
     rng = np.random.default_rng(1)
-    n, k, d = 6000, 7, 5
-    inputs = rng.normal(size=(n, k, d))
-    true_w, true_b = np.array([1.5, -1.0, 0.5, 0.0, 0.0]), 1.0
-    accepted = rng.random((n, k)) < cal.sigmoid(inputs @ true_w + true_b)
+    n, k, d = 20000, 3, 4
+    inputs = rng.normal(size=(n, k, d)) * [1.0, 2.0, 0.5, 1.0] + [0.0, 1.0, 0.5, 0.0]
+    true_w = np.array([[1.5, -1.0, 0.5, 0.0], [0.0, 0.5, 2.0, -1.0], [-1.0, 0.0, 0.0, 1.0]])
+    true_b = np.array([1.5, 1.0, 0.5])
+    accepted = rng.random((n, k)) < cal.sigmoid(np.einsum("nkd,kd->nk", inputs, true_w) + true_b)
     # Rows after a rejection carry garbage labels: the fit must not read them.
     reached = np.concatenate([np.ones((n, 1), bool), np.cumprod(accepted, 1)[:, :-1] > 0], 1)
     accepted = np.where(reached, accepted, rng.random((n, k)) < 0.01)
-    weight, bias = cal.refit_confidence_head(inputs, accepted, np.zeros(d), 0.0, l2=0.0)
-    np.testing.assert_allclose(weight, true_w, atol=0.15)
-    assert bias == pytest.approx(true_b, abs=0.15)
+    weight, bias = cal.fit_position_heads(inputs, accepted, l2=0.0)
+    assert weight.shape == (k, d) and bias.shape == (k,)
+    # Raw-input weights (the standardisation folded back), each position its own.
+    fitted = cal.sigmoid(np.einsum("nkd,kd->nk", inputs, weight) + bias)
+    truth = cal.sigmoid(np.einsum("nkd,kd->nk", inputs, true_w) + true_b)
+    for position in range(k):
+        rows = reached[:, position]
+        assert np.abs(fitted[rows, position] - truth[rows, position]).mean() < 0.02
+    np.testing.assert_allclose(weight[0], true_w[0], atol=0.15)
 
 
-def test_draft_logprob_extension_folds_into_one_linear_head():
+def test_refit_position_heads_reads_the_draft_statistics():
+    from vllm_dspark.tiny_pair.evaluate import VerifyRecords, head_logits, refit_position_heads
+
     rng = np.random.default_rng(2)
-    n, k, d = 8000, 7, 4
-    inputs = rng.normal(size=(n, k, d))
-    weight, bias = np.array([1.0, -0.5, 0.25, 0.0]), 0.2
-    logits = inputs @ weight + bias
-    logprob = -rng.exponential(1.0, size=(n, k))
-    accepted = rng.random((n, k)) < cal.sigmoid(0.5 * logits + 2.0 * logprob + 0.3)
-    new_weight, new_bias = cal.extend_with_draft_logprob(logits, logprob, accepted, weight, bias)
-    assert new_weight.shape == (d + 1,)
-    np.testing.assert_allclose(new_weight[:d], 0.5 * weight, atol=0.1)
-    assert new_weight[d] == pytest.approx(2.0, abs=0.2)
-    assert new_bias == pytest.approx(0.5 * bias + 0.3, abs=0.15)
+    n, k, d = 20000, 2, 3
+    logprob = -rng.exponential(0.7, size=(n, k))
+    miss = np.log(-np.expm1(logprob))
+    # Acceptance follows the top-1's log-odds, l - log(1 - e^l), which no head over l
+    # alone (linear in l) can represent.
+    accepted = rng.random((n, k)) < cal.sigmoid(logprob - miss)
+    records = VerifyRecords(
+        confidence_logits=np.zeros((n, k)),
+        accepted=accepted,
+        acceptance_lengths=np.ones(n, dtype=np.int64),
+        draft_logprob=logprob,
+        confidence_inputs=rng.normal(size=(n, k, d + 1)),  # a column past hidden+rank: dropped
+    )
+    head = refit_position_heads(records, d)
+    assert head["weight"].shape == (k, d + 2) and head["weight"].dtype == torch.float32
+    np.testing.assert_allclose(head["weight"][:, :d], 0.0, atol=0.1)
+    np.testing.assert_allclose(head["weight"][:, d], 1.0, atol=0.15)
+    np.testing.assert_allclose(head["weight"][:, d + 1], -1.0, atol=0.15)
+    # sigmoid(l - log(1 - e^l)) = e^l: the head recovers the top-1's own probability.
+    error = np.abs(cal.sigmoid(head_logits(records, head, d)) - np.exp(logprob))
+    assert error.mean() < 0.01 and error.max() < 0.06
 
 
 @pytest.fixture(scope="module")
 def logprob_drafter(pair):
     torch.manual_seed(1)
-    drafter = DSparkDrafter(tiny_drafter_config(confidence_draft_logprob=True)).eval()
+    config = tiny_drafter_config(confidence_draft_logprob=True, confidence_draft_miss_logprob=True)
+    drafter = DSparkDrafter(dataclasses.replace(config, confidence_head_rows=config.block_size))
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)
     torch.nn.init.normal_(drafter.confidence_head.weight, std=0.5)
-    return drafter.requires_grad_(False)
+    return drafter.eval().requires_grad_(False)
 
 
 def test_confidence_head_reads_the_draft_top1_logprob(pair, logprob_drafter):
@@ -410,10 +431,14 @@ def test_confidence_head_reads_the_draft_top1_logprob(pair, logprob_drafter):
     )
     top1 = torch.log_softmax(proposal.logits.float(), dim=-1).amax(dim=-1)
     torch.testing.assert_close(proposal.draft_logprob, top1)
-    torch.testing.assert_close(proposal.confidence_inputs[..., -1], top1)
+    torch.testing.assert_close(proposal.confidence_inputs[..., -2], top1)
+    torch.testing.assert_close(proposal.confidence_inputs[..., -1], torch.log(1 - top1.exp()))
+    # Row j of the head scores position j.
     head = logprob_drafter.confidence_head
-    expected = (proposal.confidence_inputs @ head.weight[0] + head.bias).float()
-    torch.testing.assert_close(proposal.confidence_logits, expected)
+    expected = torch.einsum("bajd,jd->baj", proposal.confidence_inputs, head.weight) + head.bias
+    torch.testing.assert_close(proposal.confidence_logits, expected.float())
+    shared = (proposal.confidence_inputs @ head.weight[0] + head.bias[0]).float()
+    assert not torch.allclose(proposal.confidence_logits[..., 1:], shared[..., 1:])
 
 
 def test_plugin_confidence_head_follows_the_checkpoint_layout(
@@ -427,20 +452,28 @@ def test_plugin_confidence_head_follows_the_checkpoint_layout(
     export.export_draft(logprob_drafter, special_ids, calibration, tmp_path / "draft")
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config[export.DRAFT_LOGPROB_KEY] is True
-    assert "log_softmax" in config["confidence_head_input"]
+    assert config[export.DRAFT_MISS_LOGPROB_KEY] is True
+    assert "log(1 - exp(" in config["confidence_head_input"]
+    draft = tmp_path / "draft"
+    assert export.load_drafter_from_export(draft)[0].config == logprob_drafter.config
     hidden_and_rank = 32 + 4
-    head = ConfidenceHead.from_checkpoint(str(tmp_path / "draft"), hidden_and_rank, "cpu")
-    assert head.reads_draft_logprob
+    head = ConfidenceHead.from_checkpoint(str(draft), hidden_and_rank, 7, "cpu")
+    assert head.reads_draft_logprob and head.reads_draft_miss_logprob and head.per_position
     hidden, markov = torch.randn(5, 32), torch.randn(5, 4)
     logits = torch.randn(5, VOCAB) * 3
     top1 = torch.log_softmax(logits, dim=-1).amax(dim=-1, keepdim=True)
-    ours = logprob_drafter.confidence_head(torch.cat([hidden, markov, top1], dim=-1))
-    torch.testing.assert_close(head(hidden, markov, logits), ours.squeeze(-1))
-    # A checkpoint without the key keeps the paper's [hidden ; markov] head.
-    plain = ConfidenceHead.from_checkpoint(str(exported_pair / "draft"), hidden_and_rank, "cpu")
-    assert not plain.reads_draft_logprob
-    assert plain(hidden, markov, logits).shape == (5,)
-    config[export.DRAFT_LOGPROB_KEY] = False  # now the file's head is one input too wide
-    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DSparkOptionError, match="has 37 inputs.*has 36"):
-        ConfidenceHead.from_checkpoint(str(tmp_path / "draft"), hidden_and_rank, "cpu")
+    features = torch.cat([hidden, markov, top1, torch.log(1 - top1.exp())], dim=-1)
+    ours = logprob_drafter.confidence_head(features)  # [5, 7]: one column per position
+    for position in (0, 3, 6):
+        torch.testing.assert_close(head(hidden, markov, logits, position), ours[:, position])
+    # Rows for 7 positions cannot serve 8 drafts.
+    with pytest.raises(DSparkOptionError, match="7 positions; num_speculative_tokens=8"):
+        ConfidenceHead.from_checkpoint(str(draft), hidden_and_rank, 8, "cpu")
+    # A checkpoint without the keys keeps the paper's shared [hidden ; markov] head.
+    plain = ConfidenceHead.from_checkpoint(str(exported_pair / "draft"), hidden_and_rank, 8, "cpu")
+    assert not plain.reads_draft_logprob and not plain.per_position
+    torch.testing.assert_close(plain(hidden, markov, logits, 5), plain(hidden, markov, logits))
+    config[export.DRAFT_MISS_LOGPROB_KEY] = False  # now the file's head is one input too wide
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DSparkOptionError, match="has 38 inputs.*has 37"):
+        ConfidenceHead.from_checkpoint(str(draft), hidden_and_rank, 7, "cpu")

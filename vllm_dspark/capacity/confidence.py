@@ -3,13 +3,18 @@
 Stock vLLM 0.26.0 skips the ``confidence_head.*`` weights of a DSpark checkpoint. The
 head is one linear layer over ``[h_k ; markov_w1[x_{k-1}]]`` (the backbone's output at
 draft position k and the Markov embedding of the previous token), giving the logit z_k
-of "draft k survives given drafts 1..k-1 did". A checkpoint whose config.json sets
-``confidence_head_draft_logprob`` (the embedded pair does) adds one input: the top-1
-log-probability of the draft distribution at k, which depends on x_{k-1} but not on x_k,
-so decisions on it stay lossless. It runs in fp32 inside the captured draft graph.
-Temperatures T_k (Sequential Temperature Scaling) divide z_k; they come
-from ``dspark_confidence_temperature``, else from the checkpoint's
-``dspark_calibration.json``, else are 1.
+of "draft k survives given drafts 1..k-1 did". Two config.json keys add inputs, both
+statistics of the draft distribution at k (they depend on x_{k-1}, never on x_k, so
+decisions on them stay lossless): ``confidence_head_draft_logprob``, its top-1
+log-probability l_k, and ``confidence_head_draft_miss_logprob``, log(1 - exp(l_k)), the
+log-probability that the top-1 is not the token (with it the logit can follow the
+log-odds of the top-1, which a linear head over l_k alone cannot). A weight of one row
+is shared by every position (the paper's head); a weight of one row per position gives
+position k its own row (the embedded pair's: a shared row cannot be calibrated at every
+position at once). It runs in fp32 inside the captured draft graph. Temperatures T_k
+(Sequential Temperature Scaling) divide z_k; they come from
+``dspark_confidence_temperature``, else from the checkpoint's ``dspark_calibration.json``,
+else are 1.
 """
 
 from __future__ import annotations
@@ -25,6 +30,19 @@ from vllm_dspark.config import KEY_PREFIX, DSparkOptionError
 CALIBRATION_FILE = "dspark_calibration.json"
 PREFIX = "confidence_head."
 DRAFT_LOGPROB_KEY = "confidence_head_draft_logprob"
+DRAFT_MISS_LOGPROB_KEY = "confidence_head_draft_miss_logprob"
+# log(1 - p) at p = 1 is -inf: the top-1 log-probability is capped just below 0 first.
+TOP1_LOGPROB_CAP = -1e-6
+
+
+def draft_statistics(top1_logprob: torch.Tensor, logprob: bool, miss_logprob: bool):
+    """The confidence inputs read from the draft distribution: [..., 0-2] from l = [...]."""
+    parts = []
+    if logprob:
+        parts.append(top1_logprob)
+    if miss_logprob:
+        parts.append(torch.log(-torch.expm1(top1_logprob.clamp(max=TOP1_LOGPROB_CAP))))
+    return torch.stack(parts, dim=-1) if parts else top1_logprob.new_zeros((*top1_logprob.shape, 0))
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -37,31 +55,53 @@ def _checkpoint_dir(model: str) -> Path:
 
 
 class ConfidenceHead(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, draft_logprob: bool):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        draft_logprob: bool,
+        draft_miss_logprob: bool = False,
+    ):
         super().__init__()
-        self.weight = torch.nn.Parameter(weight.float().reshape(1, -1), requires_grad=False)
-        self.bias = torch.nn.Parameter(
-            (bias if bias is not None else torch.zeros(1)).float().reshape(1), requires_grad=False
-        )
+        weight = weight.float().reshape(weight.shape[0] if weight.dim() == 2 else 1, -1)
+        bias = bias if bias is not None else torch.zeros(weight.shape[0])
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [1 or K, inputs]
+        self.bias = torch.nn.Parameter(bias.float().reshape(-1), requires_grad=False)
         self.reads_draft_logprob = draft_logprob
+        self.reads_draft_miss_logprob = draft_miss_logprob
+
+    @property
+    def per_position(self) -> bool:
+        return self.weight.shape[0] > 1
 
     def forward(
-        self, hidden: torch.Tensor, markov_embed: torch.Tensor, logits: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        markov_embed: torch.Tensor,
+        logits: torch.Tensor,
+        position: int = 0,
     ) -> torch.Tensor:
-        """Confidence logits z_k: [rows, H], [rows, r], draft logits [rows, V] -> [rows]."""
+        """Confidence logits z_k of draft position ``position`` (0-based): [rows, H],
+        [rows, r], draft logits [rows, V] -> [rows]."""
         parts = [hidden.float(), markov_embed.float()]
-        if self.reads_draft_logprob:
+        if self.reads_draft_logprob or self.reads_draft_miss_logprob:
             logits = logits.float()
             top1 = logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)
-            parts.append(top1.unsqueeze(-1))
+            parts.append(
+                draft_statistics(top1, self.reads_draft_logprob, self.reads_draft_miss_logprob)
+            )
         features = torch.cat(parts, dim=-1)
-        return torch.nn.functional.linear(features, self.weight, self.bias).squeeze(-1)
+        row = position if self.per_position else 0
+        return features @ self.weight[row] + self.bias[row]
 
     @classmethod
-    def from_checkpoint(cls, model: str, hidden_and_rank: int, device: torch.device):
+    def from_checkpoint(
+        cls, model: str, hidden_and_rank: int, num_drafts: int, device: torch.device
+    ):
         directory = _checkpoint_dir(model)
         config = json.loads((directory / "config.json").read_text())
         draft_logprob = bool(config.get(DRAFT_LOGPROB_KEY, False))
+        draft_miss_logprob = bool(config.get(DRAFT_MISS_LOGPROB_KEY, False))
         tensors = {}
         for file in sorted(directory.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
@@ -73,14 +113,27 @@ class ConfidenceHead(torch.nn.Module):
                 f"vllm-dspark: the draft checkpoint {model} declares a confidence head but "
                 f"holds no {PREFIX}weight."
             )
-        in_features = hidden_and_rank + int(draft_logprob)
-        if tensors["weight"].numel() != in_features:
-            layout = "hidden ; markov embedding" + " ; draft log-probability" * draft_logprob
+        weight = tensors["weight"]
+        weight = weight.reshape(1, -1) if weight.dim() < 2 else weight
+        in_features = hidden_and_rank + int(draft_logprob) + int(draft_miss_logprob)
+        if weight.shape[1] != in_features:
+            layout = (
+                "hidden ; markov embedding"
+                + " ; draft log-probability" * draft_logprob
+                + " ; draft miss log-probability" * draft_miss_logprob
+            )
             raise DSparkOptionError(
-                f"vllm-dspark: {PREFIX}weight of {model} has {tensors['weight'].numel()} "
+                f"vllm-dspark: {PREFIX}weight of {model} has {weight.shape[1]} "
                 f"inputs; this drafter's [{layout}] has {in_features}."
             )
-        return cls(tensors["weight"], tensors.get("bias"), draft_logprob).to(device)
+        if 1 < weight.shape[0] < num_drafts:
+            raise DSparkOptionError(
+                f"vllm-dspark: {PREFIX}weight of {model} has one row per draft position for "
+                f"{weight.shape[0]} positions; num_speculative_tokens={num_drafts} needs "
+                f"{num_drafts} (or one shared row)."
+            )
+        head = cls(weight, tensors.get("bias"), draft_logprob, draft_miss_logprob)
+        return head.to(device)
 
 
 def resolve_temperatures(

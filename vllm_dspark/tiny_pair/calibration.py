@@ -5,10 +5,9 @@ the prefix survival ``s_k = prod_{j<=k} c_j`` estimates P(drafts 1..k all accept
 (DSpark paper) divides each position's confidence logit by a temperature ``T_k``, fitted
 for k = 1..K in turn by a 1-D grid search that minimises the ECE of ``s_k`` against the
 observed survival, with ``T_1..T_{k-1}`` already fixed. Temperatures are positive, so
-every ``c_k`` keeps its ranking. Before STS, :func:`refit_confidence_head` can refit the
-linear head itself on verify steps (same form, so the plugin computes it unchanged), and
-:func:`extend_with_draft_logprob` can add the draft's top-1 log-probability as one more
-input of that linear head.
+every ``c_k`` keeps its ranking. Before STS, :func:`fit_position_heads` refits the
+linear head itself on verify steps, one row per draft position (a form the plugin reads,
+see ``vllm_dspark.capacity.confidence``).
 """
 
 from __future__ import annotations
@@ -141,58 +140,41 @@ def calibration_report(
     return report
 
 
-def refit_confidence_head(
-    inputs: np.ndarray,
-    accepted: np.ndarray,
-    weight: np.ndarray,
-    bias: float,
-    l2: float = 1e-4,
-    max_iter: int = 200,
-) -> tuple[np.ndarray, float]:
-    """Logistic regression of the shared linear confidence head on verify steps.
+def fit_position_heads(
+    inputs: np.ndarray, accepted: np.ndarray, l2: float = 1e-3, max_iter: int = 500
+) -> tuple[np.ndarray, np.ndarray]:
+    """One logistic regression per draft position: the confidence head's rows.
 
-    c_k predicts P(draft k accepted | drafts 1..k-1 accepted), so each row contributes
-    the positions its prefix reached: inputs [n, K, D] -> samples (inputs[:, k], accepted
-    [:, k]) where drafts 1..k-1 were accepted. Starts from the trained ``weight`` / ``bias``;
-    ``l2`` is the penalty on the change of the weight.
+    c_k predicts P(draft k accepted | drafts 1..k-1 accepted), so position k is fitted on
+    the verify steps whose prefix reached it: inputs [n, K, D] -> (inputs[:, k],
+    accepted[:, k]) where drafts 1..k-1 were accepted. Each fit runs on standardised
+    inputs (``l2`` is the ridge penalty there) and is folded back into raw-input weights.
+    Returns weight [K, D] and bias [K].
     """
     survived = np.cumprod(accepted, axis=1).astype(bool)
     reached = np.concatenate([np.ones((len(accepted), 1), bool), survived[:, :-1]], axis=1)
-    x = torch.as_tensor(inputs[reached], dtype=torch.float64)
-    y = torch.as_tensor(accepted[reached], dtype=torch.float64)
-    w0 = torch.as_tensor(weight, dtype=torch.float64).reshape(-1)
-    w = w0.clone().requires_grad_(True)
-    b = torch.tensor([float(bias)], dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS(
-        [w, b], max_iter=max_iter, line_search_fn="strong_wolfe", tolerance_grad=1e-9
-    )
+    weights, biases = [], []
+    for k in range(accepted.shape[1]):
+        x = torch.as_tensor(inputs[reached[:, k], k], dtype=torch.float64)
+        y = torch.as_tensor(accepted[reached[:, k], k], dtype=torch.float64)
+        mean, scale = x.mean(0), x.std(0) + 1e-6
+        standardised = (x - mean) / scale
+        w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        optimizer = torch.optim.LBFGS(
+            [w, b], max_iter=max_iter, line_search_fn="strong_wolfe", tolerance_grad=1e-10
+        )
 
-    def closure():
-        optimizer.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y)
-        loss = loss + l2 * (w - w0).pow(2).sum()
-        loss.backward()
-        return loss
+        def closure(w=w, b=b, optimizer=optimizer, standardised=standardised, y=y):
+            optimizer.zero_grad()
+            logits = standardised @ w + b
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+            loss = loss + l2 * w.pow(2).sum()
+            loss.backward()
+            return loss
 
-    optimizer.step(closure)
-    return w.detach().numpy(), float(b.item())
-
-
-def extend_with_draft_logprob(
-    confidence_logits: np.ndarray,
-    draft_logprob: np.ndarray,
-    accepted: np.ndarray,
-    weight: np.ndarray,
-    bias: float,
-) -> tuple[np.ndarray, float]:
-    """The head ``[w ; b] . [x ; l] + c'`` that best combines the head's logit z and the
-    draft's top-1 log-probability l.
-
-    A logistic regression z' = a * z + b * l + c on the positions each verify step reached
-    (as :func:`refit_confidence_head`); since z = w . x + bias, the result is again one
-    linear layer over ``[x ; l]``: weight ``[a * w ; b]``, bias ``a * bias + c``.
-    z, l, accepted: [n, K]. Returns (weight [D + 1], bias).
-    """
-    inputs = np.stack([confidence_logits, draft_logprob], axis=-1)
-    (a, b), c = refit_confidence_head(inputs, accepted, np.array([1.0, 0.0]), 0.0, l2=0.0)
-    return np.append(a * np.asarray(weight, dtype=np.float64).reshape(-1), b), a * bias + c
+        optimizer.step(closure)
+        with torch.no_grad():
+            weights.append((w / scale).numpy())
+            biases.append(float(b - (w * mean / scale).sum()))
+    return np.stack(weights), np.asarray(biases)

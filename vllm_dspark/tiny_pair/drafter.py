@@ -14,11 +14,13 @@ speculator, so exported weights draft the same tokens there:
 * output ``j`` (after the final ``norm``) predicts the token at ``p + 1 + j``: base
   logits from the target's LM head plus the Markov bias ``markov_w2 @ markov_w1[prev]``,
   where ``prev`` is the anchor for ``j = 0`` and the previous draft token after that;
-* confidence ``c_j = sigmoid(confidence_head([h_j ; markov_w1[prev]]))``, or with
-  ``confidence_draft_logprob`` ``sigmoid(confidence_head([h_j ; markov_w1[prev] ; l_j]))``
-  where ``l_j`` is the top-1 log-probability of the draft distribution at ``j`` (Markov
-  bias included). ``l_j`` is a function of the distribution draft ``j`` is sampled from,
-  not of the sampled token, so a capacity decision on ``c_j`` stays lossless.
+* confidence ``c_j = sigmoid(confidence_head([h_j ; markov_w1[prev]]))``; with
+  ``confidence_draft_logprob`` the head also reads ``l_j``, the top-1 log-probability of
+  the draft distribution at ``j`` (Markov bias included), and with
+  ``confidence_draft_miss_logprob`` ``log(1 - exp(l_j))``: functions of the distribution
+  draft ``j`` is sampled from, not of the sampled token, so a capacity decision on ``c_j``
+  stays lossless. The head has one output row shared by every position or, with
+  ``confidence_head_rows = block_size``, one row per position (row ``j`` scores ``j``).
 
 Parameter names equal the names of the exported draft checkpoint. The target's embedding
 and LM head are not parameters of this module: they are passed in, frozen and shared, as
@@ -33,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_dspark.capacity.confidence import draft_statistics
 
 
 @dataclass
@@ -56,12 +60,20 @@ class DrafterConfig:
     markov_rank: int = 32
     # Position weights of the loss: exp(-(k-1)/loss_decay_gamma), k = 1..block_size.
     loss_decay_gamma: float = 4.0
-    # The confidence head also reads the draft's top-1 log-probability (one more input).
+    # The confidence head also reads the draft's top-1 log-probability l and log(1 - e^l)
+    # (one more input each); 1 row shared by every position, or block_size rows.
     confidence_draft_logprob: bool = False
+    confidence_draft_miss_logprob: bool = False
+    confidence_head_rows: int = 1
 
     @property
     def confidence_inputs(self) -> int:
-        return self.hidden_size + self.markov_rank + int(self.confidence_draft_logprob)
+        return (
+            self.hidden_size
+            + self.markov_rank
+            + int(self.confidence_draft_logprob)
+            + int(self.confidence_draft_miss_logprob)
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -241,7 +253,8 @@ class DSparkDrafter(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
-        self.confidence_head = nn.Linear(config.confidence_inputs, 1)
+        assert config.confidence_head_rows in (1, config.block_size), "rows: shared or per position"
+        self.confidence_head = nn.Linear(config.confidence_inputs, config.confidence_head_rows)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -317,7 +330,9 @@ class DSparkDrafter(nn.Module):
         if confidence_grad_scale != 1.0:
             detached = confidence_input.detach()
             confidence_input = detached + confidence_grad_scale * (confidence_input - detached)
-        confidence_logits = self.confidence_head(confidence_input)
+        confidence_logits = self.confidence_head(confidence_input)  # [..., block, rows]
+        if self.config.confidence_head_rows > 1:
+            return logits, confidence_logits.diagonal(dim1=-2, dim2=-1).float()
         return logits, confidence_logits.squeeze(-1).float()
 
     def _logits_and_confidence_input(
@@ -325,11 +340,13 @@ class DSparkDrafter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         markov = self.markov_embed(previous_tokens)
         logits = base_logits + self.markov_head.markov_w2(markov)
-        parts = [hidden, markov]
-        if self.config.confidence_draft_logprob:
-            # A statistic of the draft distribution, read as a fixed input (no gradient).
-            parts.append(top1_logprob(logits.detach()).unsqueeze(-1).to(hidden.dtype))
-        return logits, torch.cat(parts, dim=-1)
+        # Statistics of the draft distribution, read as fixed inputs (no gradient).
+        statistics = draft_statistics(
+            top1_logprob(logits.detach()),
+            self.config.confidence_draft_logprob,
+            self.config.confidence_draft_miss_logprob,
+        )
+        return logits, torch.cat([hidden, markov, statistics.to(hidden.dtype)], dim=-1)
 
     @torch.no_grad()
     def propose(
@@ -351,7 +368,8 @@ class DSparkDrafter(nn.Module):
             )
             if keep_confidence_inputs:
                 inputs.append(confidence_input.float())
-            confidences.append(self.confidence_head(confidence_input).squeeze(-1).float())
+            row = j if self.config.confidence_head_rows > 1 else 0
+            confidences.append(self.confidence_head(confidence_input)[..., row].float())
             logprobs.append(top1_logprob(logits))
             previous = logits.argmax(dim=-1)
             tokens.append(previous)

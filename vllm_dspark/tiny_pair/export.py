@@ -20,20 +20,26 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from vllm_dspark.capacity import confidence
+
 from .corpus import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN
 from .drafter import DrafterConfig, DSparkDrafter
 
 CONFIDENCE_PREFIX = "confidence_head."
-# The draft config.json key that says the confidence head reads one more input, the
-# top-1 log-probability of the draft distribution (vllm_dspark.capacity.confidence).
-DRAFT_LOGPROB_KEY = "confidence_head_draft_logprob"
+# The draft config.json keys that say the confidence head reads one more input each, the
+# top-1 log-probability l of the draft distribution and log(1 - e^l)
+# (vllm_dspark.capacity.confidence).
+DRAFT_LOGPROB_KEY = confidence.DRAFT_LOGPROB_KEY
+DRAFT_MISS_LOGPROB_KEY = confidence.DRAFT_MISS_LOGPROB_KEY
 
 
-def confidence_input_layout(draft_logprob: bool) -> str:
+def confidence_input_layout(draft_logprob: bool, draft_miss_logprob: bool = False) -> str:
     """How the confidence head reads its input (recorded in the draft config.json)."""
     parts = ["final_norm_hidden[hidden_size]", "markov_w1[prev_token][markov_rank]"]
     if draft_logprob:
         parts.append("log_softmax(draft_logits).max()[1]")
+    if draft_miss_logprob:
+        parts.append("log(1 - exp(log_softmax(draft_logits).max()))[1]")
     return f"concat({', '.join(parts)})"
 
 
@@ -89,7 +95,12 @@ def draft_config_dict(config: DrafterConfig, special_ids: dict[str, int]) -> dic
         "enable_confidence_head": True,
         "confidence_head_with_markov": True,
         DRAFT_LOGPROB_KEY: config.confidence_draft_logprob,
-        "confidence_head_input": confidence_input_layout(config.confidence_draft_logprob),
+        DRAFT_MISS_LOGPROB_KEY: config.confidence_draft_miss_logprob,
+        "confidence_head_input": confidence_input_layout(
+            config.confidence_draft_logprob, config.confidence_draft_miss_logprob
+        ),
+        # One row shared by every draft position, or one row per position (row k scores k).
+        "confidence_head_rows": config.confidence_head_rows,
         "dflash_config": {
             "mask_token_id": config.mask_token_id,
             "target_layer_ids": list(config.target_layer_ids),
@@ -123,6 +134,8 @@ def drafter_config_from_dict(raw: dict) -> DrafterConfig:
         markov_rank=raw["markov_rank"],
         loss_decay_gamma=raw.get("loss_decay_gamma", 4.0),
         confidence_draft_logprob=raw.get(DRAFT_LOGPROB_KEY, False),
+        confidence_draft_miss_logprob=raw.get(DRAFT_MISS_LOGPROB_KEY, False),
+        confidence_head_rows=raw.get("confidence_head_rows", 1),
     )
 
 
@@ -211,19 +224,16 @@ def model_card(sizes: dict, eval_report: dict, training: dict) -> str:
         "soft_tv": "the soft label 1 - TV",
         "greedy_match": "the greedy acceptance event (draft argmax = target argmax)",
     }[d_train["confidence_label"]]
+    refitted = e["setup"].get("confidence_head_refitted_on_calibration_split", False)
     refit_text = (
-        "logistic regression of the same linear head on the calibration split's verify\n"
-        "  steps (the positions whose prefix was accepted)"
-        if e["setup"].get("confidence_head_refitted_on_calibration_split")
+        "one logistic regression per draft position on the calibration split's verify\n"
+        "  steps (the positions whose prefix was accepted), over\n"
+        "  `[h ; markov ; l ; log(1 - e^l)]`, l the draft's top-1 log-probability"
+        if refitted
         else "none"
     )
-    draft_logprob = e["setup"].get("confidence_head_reads_draft_logprob", False)
-    if draft_logprob:
-        refit_text += (
-            "; then a logistic regression of its logit together with the draft's\n"
-            "  top-1 log-probability, folded into one linear head with one more input"
-        )
-    head_inputs = d_cfg["hidden_size"] + d_cfg["markov_rank"] + int(draft_logprob)
+    head_rows = d_cfg["block_size"] if refitted else 1
+    head_inputs = d_cfg["hidden_size"] + d_cfg["markov_rank"] + 2 * int(refitted)
     if d_train["confidence_grad_scale"] != 1.0:
         scale = d_train["confidence_grad_scale"]
         confidence_label += f", its gradient into the drafting features scaled by {scale:g}"
@@ -246,8 +256,8 @@ benchmarks of speculative decoding only.
   parameters ({sizes["draft_bytes"] / 1e6:.1f} MB): {layers} Qwen3 layer{"s" * (layers > 1)}
   (hidden {d_cfg["hidden_size"]}, MLP {d_cfg["intermediate_size"]}), `fc` over target layers
   {d_cfg["target_layer_ids"]}, Markov head of rank {d_cfg["markov_rank"]}, confidence head
-  `confidence_head.weight` [1, {head_inputs}] / `.bias` [1]
-  (float32; input `{confidence_input_layout(draft_logprob)}`). It shares the
+  `confidence_head.weight` [{head_rows}, {head_inputs}] / `.bias` [{head_rows}]
+  (float32; input `{confidence_input_layout(refitted, refitted)}`). It shares the
   target's embedding and LM head (not stored). `dspark_calibration.json`: STS
   temperatures of the confidence logits.
 - `eval.json`: the PyTorch evaluation below; `training.json`: corpus and training record;
@@ -292,15 +302,18 @@ the survival prediction), from CPU trials at a smaller scale:
 - the confidence loss reaches the backbone with its gradient scaled by
   {d_train["confidence_grad_scale"]:g}: at full strength it cost this small drafter ~20%
   of its acceptance length;
-- the head is refitted (logistic regression, same linear form) on held-out verify steps
-  before STS, as the verify steps' anchors (right after rejections) are not distributed
-  like uniformly drawn training anchors;
-- the head reads one more input than the paper's, the top-1 log-probability of the draft
-  distribution it scores (`{DRAFT_LOGPROB_KEY}: true` in `draft/config.json`): a function
-  of the distribution the draft is drawn from, not of the drawn token, so a capacity
-  decision on it stays lossless. With `[h ; markov]` alone this small drafter's survival
-  AUROC stayed at 0.72-0.77 for positions 1-4; the log-probability lifts every position
-  above 0.80 (CPU trial on 256 held-out prompts: 0.89, 0.81, 0.82, 0.84, 0.87, 0.89, 0.91).
+- the head is refitted (logistic regression) on held-out verify steps before STS, as the
+  verify steps' anchors (right after rejections) are not distributed like uniformly drawn
+  training anchors;
+- the refitted head reads two more inputs than the paper's, the top-1 log-probability l of
+  the draft distribution it scores and log(1 - e^l) (`{DRAFT_LOGPROB_KEY}` and
+  `{DRAFT_MISS_LOGPROB_KEY}` in `draft/config.json`): functions of the distribution the
+  draft is drawn from, not of the drawn token, so a capacity decision on them stays
+  lossless. With `[h ; markov]` alone this small drafter's survival AUROC stayed at
+  0.72-0.77 for positions 1-4; l lifts every position above 0.80;
+- the refitted head has one row per draft position (`confidence_head_rows`): with one
+  shared row no choice of STS temperatures brought the survival ECE at position 2 under
+  0.042 (`benchmarks/results/sts_ceiling.json` in the repository).
 
 ## Evaluation (PyTorch simulation, greedy, k = {e["setup"]["num_speculative_tokens"]})
 

@@ -35,9 +35,7 @@ from transformers import Qwen3ForCausalLM
 from . import export as export_lib
 from .calibration import (
     calibration_report,
-    extend_with_draft_logprob,
     fit_sequential_temperature_scaling,
-    refit_confidence_head,
 )
 from .corpus import MASK_TOKEN, CorpusConfig, CorpusPaths, build_corpus
 from .drafter import (
@@ -49,11 +47,13 @@ from .drafter import (
 )
 from .evaluate import (
     EvalConfig,
-    VerifyRecords,
     acceptance_report,
     greedy_sequences,
+    head_logits,
+    refit_position_heads,
     sample_prompts,
     simulate_verify_steps,
+    with_position_heads,
 )
 from .progress import progress_bar
 from .target import TargetConfig, build_target, generate_continuations, target_features
@@ -731,35 +731,10 @@ class Pipeline:
         if with_refitted_head and self.refitted_head_path.exists():
             head = torch.load(self.refitted_head_path, map_location="cpu")
             model_state = model_state | {f"confidence_head.{k}": v for k, v in head.items()}
-            # The refit may have added the draft log-probability input.
-            extra = head["weight"].shape[1] - config.hidden_size - config.markov_rank
-            config = dataclasses.replace(config, confidence_draft_logprob=extra == 1)
+            config = with_position_heads(config)
         drafter = DSparkDrafter(config)
         drafter.load_state_dict(export_lib.round_like_export(model_state))
         return drafter.to(self.runtime.device).eval().requires_grad_(False)
-
-    def refit_confidence_head(self, drafter: DSparkDrafter, records: VerifyRecords) -> dict:
-        """Refit the head on the calibration split (and, if configured, add the draft's
-        top-1 log-probability as an input); save it. Returns weight [1, D] and bias [1]."""
-        head = drafter.confidence_head
-        num_inputs = drafter.config.hidden_size + drafter.config.markov_rank
-        weight, bias = refit_confidence_head(
-            records.confidence_inputs[..., :num_inputs],
-            records.accepted,
-            head.weight.detach().cpu().double().numpy()[:, :num_inputs],
-            float(head.bias.item()),
-        )
-        if self.config.eval.confidence_draft_logprob:
-            logits = records.confidence_inputs[..., :num_inputs] @ weight + bias
-            weight, bias = extend_with_draft_logprob(
-                logits, records.draft_logprob, records.accepted, weight, bias
-            )
-        refitted = {
-            "weight": torch.as_tensor(weight, dtype=torch.float32).reshape(1, -1),
-            "bias": torch.as_tensor([bias], dtype=torch.float32),
-        }
-        torch.save(refitted, self.refitted_head_path)
-        return refitted
 
     def run_evaluate(self) -> dict:
         cfg, rt = self.config.eval, self.runtime
@@ -794,14 +769,12 @@ class Pipeline:
             records["test"].confidence_logits, records["test"].accepted, None
         )
         if cfg.refit_confidence_head:
-            head = self.refit_confidence_head(drafter, records["calibration"])
-            weight = head["weight"].double().numpy()[0]
+            hidden_and_rank = drafter.config.hidden_size + drafter.config.markov_rank
+            head = refit_position_heads(records["calibration"], hidden_and_rank)
+            torch.save(head, self.refitted_head_path)
             for split in records.values():
-                inputs = split.confidence_inputs
-                if len(weight) > inputs.shape[-1]:
-                    inputs = np.concatenate([inputs, split.draft_logprob[..., None]], axis=-1)
                 # In full precision: the plugin computes the head in float32.
-                split.confidence_logits = inputs @ weight + head["bias"].item()
+                split.confidence_logits = head_logits(split, head, hidden_and_rank)
                 split.confidence_inputs = None
         fit = fit_sequential_temperature_scaling(
             records["calibration"].confidence_logits, records["calibration"].accepted
@@ -830,8 +803,6 @@ class Pipeline:
                 "prompts_from": "held-out files (5% of the corpus by path hash)",
                 "precision": str(rt.inference_dtype).removeprefix("torch."),
                 "confidence_head_refitted_on_calibration_split": cfg.refit_confidence_head,
-                "confidence_head_reads_draft_logprob": cfg.refit_confidence_head
-                and cfg.confidence_draft_logprob,
             },
         }
         calibration = {

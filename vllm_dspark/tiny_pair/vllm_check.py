@@ -224,8 +224,8 @@ def check_pair_against_vllm(target_dir: str | Path, draft_dir: str | Path) -> Vl
     confidence = {k: v for k, v in draft_files.items() if k.startswith(CONFIDENCE_PREFIX)}
     report.skipped_by_vllm = sorted(confidence)
     want_shapes = {
-        "confidence_head.weight": (1, ours.confidence_inputs),
-        "confidence_head.bias": (1,),
+        "confidence_head.weight": (ours.confidence_head_rows, ours.confidence_inputs),
+        "confidence_head.bias": (ours.confidence_head_rows,),
     }
     for name, shape in want_shapes.items():
         if name not in confidence or tuple(confidence[name].shape) != shape:
