@@ -140,28 +140,14 @@ def simulate(num_prompts: int, new_tokens: int, threads: int):
     import torch
 
     from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
-    from vllm_dspark.tiny_pair.evaluate import greedy_sequences, simulate_verify_steps
+    from vllm_dspark.tiny_pair.evaluate import verify_records
     from vllm_dspark.tiny_pair.reference import load_reference_pair
 
     torch.set_num_threads(threads)
     target, drafter, temperatures = load_reference_pair(EMBEDDED_PAIR)
-    prompts = load_prompts(EMBEDDED_PAIR, num_prompts)
-    length = min(len(p) for p in prompts)
-    ids = np.array([p[:length] for p in prompts], dtype=np.int64)
-    sequences = greedy_sequences(target, ids, new_tokens, 64, torch.device("cpu"))
-    records = simulate_verify_steps(
-        target, drafter, sequences, length, 16, torch.device("cpu"), None
-    )
-    # Steps come sequence by sequence; each advances its sequence by its acceptance length.
-    end = sequences.shape[1] - records.accepted.shape[1]
-    prompt_of_step, prompt, position = [], 0, length
-    for advance in records.acceptance_lengths:
-        prompt_of_step.append(prompt)
-        position += int(advance)
-        if position >= end:
-            prompt, position = prompt + 1, length
-    assert prompt == len(prompts), (prompt, len(prompts))  # every sequence walked to its end
-    return records.confidence_logits, records.accepted, np.array(prompt_of_step), temperatures
+    prompts = np.array(load_prompts(EMBEDDED_PAIR, num_prompts), dtype=np.int64)
+    records, prompt_of_step = verify_records(target, drafter, prompts, new_tokens, False)
+    return records.confidence_logits, records.accepted, prompt_of_step, temperatures
 
 
 def main() -> int:

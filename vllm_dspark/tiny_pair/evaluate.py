@@ -149,6 +149,29 @@ def simulate_verify_steps(
     )
 
 
+def verify_records(
+    target, drafter: DSparkDrafter, prompts: np.ndarray, new_tokens: int, keep_inputs: bool
+) -> tuple[VerifyRecords, np.ndarray]:
+    """Greedy verify steps over ``prompts`` [n, length] on CPU in float32, and the prompt
+    each step belongs to."""
+    device = torch.device("cpu")
+    length = prompts.shape[1]
+    sequences = greedy_sequences(target, prompts, new_tokens, 64, device)
+    records = simulate_verify_steps(
+        target, drafter, sequences, length, 16, device, None, keep_confidence_inputs=keep_inputs
+    )
+    # Steps come sequence by sequence; each advances its sequence by its acceptance length.
+    end = sequences.shape[1] - records.accepted.shape[1]
+    prompt_of_step, prompt, position = [], 0, length
+    for advance in records.acceptance_lengths:
+        prompt_of_step.append(prompt)
+        position += int(advance)
+        if position >= end:
+            prompt, position = prompt + 1, length
+    assert prompt == len(prompts), (prompt, len(prompts))  # every sequence walked to its end
+    return records, np.array(prompt_of_step)
+
+
 def acceptance_report(records: VerifyRecords) -> dict:
     """Mean acceptance length and per-position acceptance of a set of verify steps."""
     survived = np.cumprod(records.accepted, axis=1).astype(bool)
