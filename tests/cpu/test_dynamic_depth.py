@@ -40,7 +40,9 @@ def fake_drafter(depth: int):
             markov_bias=lambda e: e @ markov.T,
             dspark_greedy=lambda logits, hidden, embed: logits.argmax(dim=-1),
         ),
-        confidence=lambda hidden, embed, logits: logits.max(dim=-1).values / 10,
+        confidence=lambda hidden, embed, logits, position: (
+            logits.max(dim=-1).values / 10 - 0.1 * position
+        ),
         draft_logits=None,
         synthetic=None,
         has_confidence=True,

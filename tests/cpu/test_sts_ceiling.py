@@ -63,3 +63,17 @@ def test_noise_floor_shrinks_with_more_steps():
     few = noise_floor(predicted[:200], draws=50)
     many = noise_floor(predicted, draws=50)
     assert all(m < f for m, f in zip(many, few, strict=True))
+
+
+def test_online_sts_replay_recovers_an_overconfident_heads_temperature():
+    from refit_confidence_head import online_sts
+
+    logits, accepted, _ = records(scale=2.0, steps=40_000)
+    temperatures, refits = online_sts(logits, accepted, steps=2000, rows=16, seed=0)
+    assert refits == 2000 // 256
+    # Position 1 sees every step; later positions only the rows whose prefix survived, so
+    # the prior (temperature 1) keeps more weight there. The fit moves each toward 2.
+    assert 1.6 < temperatures[0] <= 2.1
+    assert all(1.3 < t <= 2.1 for t in temperatures)
+    calibrated, _ = online_sts(logits / 2.0, accepted, steps=2000, rows=16, seed=0)
+    assert calibrated == pytest.approx([1.0] * K, abs=0.1)
