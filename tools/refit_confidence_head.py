@@ -86,7 +86,7 @@ def online_sts(logits: np.ndarray, accepted: np.ndarray, steps: int, rows: int, 
     verified = torch.full((rows,), num_drafts)
     for step in range(steps):
         chunk = torch.as_tensor(order[step * rows : (step + 1) * rows])
-        sts.observe(torch.as_tensor(logits)[chunk], verified, accepted_count[chunk])
+        sts.observe(torch.as_tensor(logits)[chunk], verified, accepted_count[chunk], temperatures)
         sts.maybe_refit(temperatures)
     return temperatures.tolist(), sts.refits
 

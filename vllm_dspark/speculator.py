@@ -237,7 +237,9 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         if self.calibration is not None:
             self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
         if self.online_sts is not None:
-            self.online_sts.observe(self.slot_confidence_logits[slots], num_verified, num_accepted)
+            self.online_sts.observe(
+                self.slot_confidence_logits[slots], num_verified, num_accepted, self.temperatures
+            )
             self.online_sts.maybe_refit(self.temperatures)
 
     @property

@@ -4,41 +4,76 @@ import pytest
 import torch
 
 from vllm_dspark.capacity.online_sts import OnlineSTS
+from vllm_dspark.tiny_pair.calibration import expected_calibration_error
 
 K = 3
 
 
-def serve(sts, steps, true_temperatures, gen, reqs=256, temperatures=None):
-    """Steps where every request verifies all K drafts, each accepted with
+def serve(sts, steps, true_temperatures, gen, reqs=256, temperatures=None, verified=K):
+    """Steps where every request verifies its first ``verified`` drafts, each accepted with
     sigmoid(z / true T) given its prefix was."""
+    temperatures = torch.ones(K) if temperatures is None else temperatures
     for _ in range(steps):
         logits = torch.randn(reqs, K, generator=gen) * 3
         accept = torch.rand(reqs, K, generator=gen) < torch.sigmoid(logits / true_temperatures)
-        num_accepted = torch.cumprod(accept.long(), dim=1).sum(dim=1)
-        sts.observe(logits, torch.full((reqs,), K), num_accepted)
-        if temperatures is not None:
-            sts.maybe_refit(temperatures)
+        num_accepted = torch.cumprod(accept.long(), dim=1).sum(dim=1).clamp(max=verified)
+        sts.observe(logits, torch.full((reqs,), verified), num_accepted, temperatures)
+        sts.maybe_refit(temperatures)
 
 
-def test_refit_finds_the_temperatures_that_calibrate_the_head():
+def test_refit_finds_the_temperatures_that_calibrate_the_survival():
     truth = torch.tensor([2.0, 0.7, 1.0])
-    sts = OnlineSTS(torch.ones(K), refit_every=64, prior_weight=10.0)
+    # Later positions' prefix bins hold survivals under the temperatures of their step:
+    # a few refits reach the fixed point.
+    sts = OnlineSTS(torch.ones(K), refit_every=64, decay=0.99, prior_weight=10.0)
     temperatures = torch.ones(K)
-    serve(sts, 64, truth, torch.Generator().manual_seed(0), temperatures=temperatures)
-    assert sts.refits == 1
+    serve(sts, 512, truth, torch.Generator().manual_seed(0), temperatures=temperatures)
+    assert sts.refits == 8
     assert temperatures.tolist() == pytest.approx(truth.tolist(), rel=0.15)
-    assert max(sts.calibration_error) < 0.03
+    assert max(sts.calibration_error) < 0.01
+    # On fresh steps the survival these temperatures predict is calibrated.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(100_000, K, generator=gen) * 3
+    survived = torch.cumprod(
+        (torch.rand(100_000, K, generator=gen) < torch.sigmoid(logits / truth)).long(), dim=1
+    )
+    predicted = torch.cumprod(torch.sigmoid(logits / temperatures), dim=1)
+    for k in range(K):
+        ece = expected_calibration_error(predicted[:, k].numpy(), survived[:, k].numpy())
+        assert ece < 0.01, (k, ece)
 
 
-def test_few_trials_stay_near_the_prior_and_unverified_drafts_are_censored():
+def test_a_miscalibrated_later_position_is_fitted_on_the_survival_not_alone():
+    # Position 1 is overconfident (true T 2) and stays at the prior (huge prior weight is
+    # not possible per position, so a prior of 2 for it): position 2's fit then sees the
+    # right prefix survivals and finds its own temperature.
+    truth = torch.tensor([2.0, 1.5, 1.0])
+    sts = OnlineSTS(torch.tensor([2.0, 1.0, 1.0]), refit_every=64, decay=0.99, prior_weight=10.0)
+    temperatures = torch.tensor([2.0, 1.0, 1.0])
+    serve(sts, 512, truth, torch.Generator().manual_seed(1), temperatures=temperatures)
+    assert temperatures.tolist() == pytest.approx(truth.tolist(), rel=0.15)
+
+
+def test_few_trials_stay_near_the_prior_and_unknown_survivals_are_censored():
     sts = OnlineSTS(torch.ones(K), refit_every=1, prior_weight=1e6)
     temperatures = torch.ones(K)
     serve(sts, 1, torch.tensor([3.0, 3.0, 3.0]), torch.Generator(), temperatures=temperatures)
     assert temperatures.tolist() == pytest.approx([1.0] * K, abs=0.01)
     # Nothing verified: no trial anywhere, whatever was accepted before.
     empty = OnlineSTS(torch.ones(K))
-    empty.observe(torch.zeros(4, K), torch.zeros(4, dtype=torch.long), torch.zeros(4))
+    empty.observe(
+        torch.zeros(4, K), torch.zeros(4, dtype=torch.long), torch.zeros(4), torch.ones(K)
+    )
     assert empty.trials.sum() == 0
+    # One draft verified: accepted, the later positions are unknown; rejected, no later
+    # prefix survives, so every position is a trial (and a miss).
+    sts = OnlineSTS(torch.ones(K))
+    one = torch.ones(2, dtype=torch.long)
+    sts.observe(torch.zeros(2, K), one, torch.tensor([1, 0]), torch.ones(K))
+    assert sts.trials.sum(dim=1).tolist() == [2.0, 1.0, 1.0]
+    assert sts.hits.sum(dim=1).tolist() == [1.0, 0.0, 0.0]
+    # The prefix sums hold s_{k-1} = 0.5^(k-1) for z = 0 at temperature 1.
+    assert sts.prefix_sums.sum(dim=1).tolist() == [2.0, 0.5, 0.25]
 
 
 def test_ranks_fed_alike_fit_bit_identical_temperatures():

@@ -1,16 +1,27 @@
 """Online Sequential Temperature Scaling: keep the confidence head calibrated while serving.
 
-Per draft position k, the rejection sampler's results are binned against the raw
-confidence logit z_k the proposal had: a trial wherever draft k was verified after an
-accepted prefix (what c_k = sigmoid(z_k / T_k) predicts), a hit where it was accepted.
-Unverified drafts are censored, not counted as rejections. Counts decay exponentially per
-step, so the fit follows the traffic. Every ``refit_every`` steps each T_k is refitted by a
-grid search minimising the calibration error over the logit bins,
-sum_b |n_b * sigmoid(z_b / T) - hits_b| / sum_b n_b, and blended toward the prior
-temperature (the checkpoint's) by n / (n + prior_weight), n the position's decayed trials.
+What is calibrated is what capacity control reads, the prefix survival
+s_k = prod_{j<=k} sigmoid(z_j / T_j), against the event "drafts 1..k all accepted". Per
+draft position k the rejection sampler's results are binned by the raw confidence logit
+z_k and by the prefix survival s_{k-1} the other positions' temperatures give (the ones in
+use when the step is observed): a trial wherever the event is known, a hit where it
+happened, and the sum of s_{k-1} per cell. The event is known where draft k was verified,
+and also beyond the verified drafts where one of them was rejected (then no later prefix
+survives); only drafts past an all-accepted verified prefix are censored. Counts decay
+exponentially per step, so the fit follows the traffic.
 
-Each step's counts are integers (exact, order-free ``index_add_``); the decay and the fit
-are elementwise and in a fixed order, so ranks fed the same results compute bit-identical
+Every ``refit_every`` steps T_1..T_K are refitted in order, as offline STS does (DSpark
+paper): for position k a grid search over T minimises the ECE of the survival, with
+``ECE_BINS`` equal-width bins, cell by cell: predicted sum_cell = sigmoid(z_cell / T) *
+(sum of s_{k-1} in the cell). Each T_k is then blended toward the prior temperature (the
+checkpoint's) by n / (n + prior_weight), n the position's decayed trials. The prefix
+bins hold survivals under the temperatures of their step, not the ones this refit picks
+for k - 1; with refits every few hundred steps and slow changes the two agree at the
+fixed point the fit settles to.
+
+Each step's counts and survival sums are integers (survivals in units of
+2^-``SURVIVAL_BITS``; exact, order-free ``index_add_``); the decay and the fit are
+elementwise and in a fixed order, so ranks fed the same results compute bit-identical
 temperatures. The refit reads the counts on the host: one small blocking copy every
 ``refit_every`` steps.
 """
@@ -19,12 +30,21 @@ from __future__ import annotations
 
 import torch
 
-Z_BINS = 128
-Z_RANGE = 8.0  # bins cover z in [-8, 8]; beyond, the end bins
+Z_BINS = 64
+Z_RANGE = 8.0  # z bins cover [-8, 8]; beyond, the end bins
+PREFIX_BINS = 32
+PREFIX_RANGE = 8.0  # prefix bins cover -log s_{k-1} in [0, 8]; beyond, the last bin
+SURVIVAL_BITS = 24
+ECE_BINS = 15
 DECAY = 0.999  # per step: a half-life of ~700 steps
 REFIT_EVERY = 256
 PRIOR_WEIGHT = 2000.0  # trials at which the fit and the prior weigh the same
 GRID = torch.exp(torch.linspace(-1.6, 1.6, 161, dtype=torch.float64))  # T in [0.2, 5]
+
+
+def z_bin_centers() -> torch.Tensor:
+    width = 2 * Z_RANGE / Z_BINS
+    return (torch.arange(Z_BINS, dtype=torch.float64) + 0.5) * width - Z_RANGE
 
 
 class OnlineSTS:
@@ -38,29 +58,43 @@ class OnlineSTS:
         num_drafts, device = prior.numel(), prior.device
         self.prior = prior.double().cpu()
         self.refit_every, self.decay, self.prior_weight = refit_every, decay, prior_weight
-        self.trials = torch.zeros(num_drafts, Z_BINS, dtype=torch.float64, device=device)
+        shape = (num_drafts, Z_BINS * PREFIX_BINS)
+        self.trials = torch.zeros(shape, dtype=torch.float64, device=device)
         self.hits = torch.zeros_like(self.trials)
+        self.prefix_sums = torch.zeros_like(self.trials)  # sum of s_{k-1} per cell
         self.steps = 0
         self.refits = 0
         self.calibration_error = [float("nan")] * num_drafts
 
     def observe(
-        self, logits: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        num_verified: torch.Tensor,
+        num_accepted: torch.Tensor,
+        temperatures: torch.Tensor,
     ) -> None:
-        """One step: raw logits [R, K] at proposal, drafts verified and accepted [R]."""
+        """One step: raw logits [R, K] at proposal, drafts verified and accepted [R], the
+        temperatures in use [K]."""
         num_drafts = logits.shape[1]
         position = torch.arange(num_drafts, device=logits.device)
-        counted = (position < num_verified[:, None]) & (position <= num_accepted[:, None])
-        accepted = position < num_accepted[:, None]
-        scaled = (logits.float() + Z_RANGE) * (Z_BINS / (2 * Z_RANGE))
-        bins = scaled.long().clamp_(0, Z_BINS - 1)
-        cells = (position * Z_BINS + bins).flatten()
-        step_trials = torch.zeros(num_drafts * Z_BINS, dtype=torch.int64, device=logits.device)
-        step_hits = torch.zeros_like(step_trials)
-        step_trials.index_add_(0, cells, counted.long().flatten())
-        step_hits.index_add_(0, cells, (counted & accepted).long().flatten())
-        self.trials.mul_(self.decay).add_(step_trials.view_as(self.trials).double())
-        self.hits.mul_(self.decay).add_(step_hits.view_as(self.hits).double())
+        z = logits.float()
+        log_confidence = torch.nn.functional.logsigmoid(z / temperatures.float())
+        log_prefix = torch.cumsum(log_confidence, dim=1) - log_confidence  # log s_{k-1}
+        known = (position < num_verified[:, None]) | (num_accepted < num_verified)[:, None]
+        survived = position < num_accepted[:, None]
+        z_bins = ((z + Z_RANGE) * (Z_BINS / (2 * Z_RANGE))).long().clamp_(0, Z_BINS - 1)
+        prefix_bins = (-log_prefix * (PREFIX_BINS / PREFIX_RANGE)).long().clamp_(0, PREFIX_BINS - 1)
+        cells = ((position * Z_BINS + z_bins) * PREFIX_BINS + prefix_bins).flatten()
+        units = torch.round(log_prefix.exp() * 2.0**SURVIVAL_BITS).long()
+        size = num_drafts * Z_BINS * PREFIX_BINS
+        step = torch.zeros(3, size, dtype=torch.int64, device=logits.device)
+        step[0].index_add_(0, cells, known.long().flatten())
+        step[1].index_add_(0, cells, (known & survived).long().flatten())
+        step[2].index_add_(0, cells, torch.where(known, units, 0).flatten())
+        step = step.view(3, *self.trials.shape).double()
+        self.trials.mul_(self.decay).add_(step[0])
+        self.hits.mul_(self.decay).add_(step[1])
+        self.prefix_sums.mul_(self.decay).add_(step[2] * 2.0**-SURVIVAL_BITS)
         self.steps += 1
 
     def maybe_refit(self, temperatures: torch.Tensor) -> bool:
@@ -68,16 +102,21 @@ class OnlineSTS:
         (in place: captured graphs read that tensor). Returns whether it refitted."""
         if self.steps == 0 or self.steps % self.refit_every:
             return False
-        trials, hits = self.trials.cpu(), self.hits.cpu()
-        centers = (torch.arange(Z_BINS, dtype=torch.float64) + 0.5) * (2 * Z_RANGE / Z_BINS)
-        centers = centers - Z_RANGE
-        predicted = torch.sigmoid(centers[None, :] / GRID[:, None])  # [grid, bins]
+        trials, hits, prefix_sums = self.trials.cpu(), self.hits.cpu(), self.prefix_sums.cpu()
+        confidence = torch.sigmoid(z_bin_centers()[None, :] / GRID[:, None])  # [grid, z]
         fitted = self.prior.clone()
         for k in range(trials.shape[0]):
             n = trials[k].sum().item()
             if n == 0:
                 continue
-            errors = (trials[k][None, :] * predicted - hits[k][None, :]).abs().sum(dim=1) / n
+            # [grid, z, prefix] predicted survivals summed over each cell's trials.
+            predicted = confidence[:, :, None] * prefix_sums[k].view(1, Z_BINS, PREFIX_BINS)
+            predicted = predicted.flatten(1)
+            mean = predicted / trials[k].clamp(min=1e-12)
+            bins = (mean * ECE_BINS).long().clamp_(0, ECE_BINS - 1)
+            gaps = torch.zeros(len(GRID), ECE_BINS, dtype=torch.float64)
+            gaps.scatter_add_(1, bins, predicted - hits[k])
+            errors = gaps.abs().sum(dim=1) / n
             best = int(torch.argmin(errors))
             self.calibration_error[k] = float(errors[best])
             weight = n / (n + self.prior_weight)
