@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import platform
 import subprocess
@@ -137,6 +138,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     target, drafter, checkpoint_t = load_reference_pair(EMBEDDED_PAIR)
+    weights = (EMBEDDED_PAIR / "draft" / "model.safetensors").read_bytes()
     shipped = np.array(load_prompts(EMBEDDED_PAIR, None), dtype=np.int64)
     exclude = {tuple(p.tolist()) for p in shipped}
     hidden_and_rank = drafter.config.hidden_size + drafter.config.markov_rank
@@ -195,6 +197,8 @@ def main() -> int:
             f"({records['warm'].num_steps} verify steps); evaluated on the 256 shipped "
             f"prompts ({records['shipped'].num_steps} verify steps)"
         ),
+        # Which head "shipped" is: the pair's draft weights when the run started.
+        "draft_weights_sha256_at_start": hashlib.sha256(weights).hexdigest(),
         "checkpoint_temperatures_before": checkpoint_t,
         "heads": results,
     }
