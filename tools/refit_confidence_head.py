@@ -28,11 +28,8 @@ keys and ``dspark_calibration.json`` (the other tensors are written back unchang
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,7 +40,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sts_ceiling
 
-from sts_ceiling import study  # noqa: E402
+from sts_ceiling import cpu_record_header, study  # noqa: E402
 
 from vllm_dspark.capacity.online_sts import OnlineSTS  # noqa: E402
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts  # noqa: E402
@@ -181,14 +178,8 @@ def main() -> int:
             | {"online_sts_refits": refits}
         )
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     record = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": commit or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU ({platform.machine()}), PyTorch, float32",
+        **cpu_record_header(),
         "setup": (
             f"embedded pair, k={drafter.config.block_size}, greedy, {args.new_tokens} new tokens, "
             f"15 bins; calibration: {args.calibration_prompts} windows "

@@ -150,6 +150,19 @@ def simulate(num_prompts: int, new_tokens: int, threads: int):
     return records.confidence_logits, records.accepted, prompt_of_step, temperatures
 
 
+def cpu_record_header() -> dict:
+    """Command, commit, date and device of a CPU result record."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": commit or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"CPU ({platform.machine()}), PyTorch, float32",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=256, help="held-out prompts")
@@ -161,14 +174,8 @@ def main() -> int:
     logits, accepted, prompt_of_step, checkpoint_t = simulate(
         args.prompts, args.new_tokens, args.threads
     )
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     record = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": commit or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU ({platform.machine()}), PyTorch, float32",
+        **cpu_record_header(),
         "setup": f"embedded pair, k={accepted.shape[1]}, greedy, {args.prompts} held-out prompts, "
         f"{args.new_tokens} new tokens, {DEFAULT_NUM_BINS} bins",
         "checkpoint_temperatures": checkpoint_t,
