@@ -28,6 +28,7 @@ keys and ``dspark_calibration.json`` (the other tensors are written back unchang
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import sys
@@ -63,11 +64,17 @@ PROMPT_LEN = 64
 HELDOUT_BYTES = 64 * 1024 * 1024  # every held-out file of a stdlib + site-packages
 
 
-def heldout_windows(count: int, half: int, seed: int, exclude: set) -> np.ndarray:
-    """``count`` 64-token windows of one half (0 or 1, by file) of the held-out files."""
+@functools.cache
+def heldout_tokens(half: int) -> np.ndarray:
+    """The held-out files of one half (0 or 1, every other file), tokenised end to end."""
     tokenizer = Tokenizer.from_file(str(EMBEDDED_PAIR / "target" / "tokenizer.json"))
     _, texts = corpus.read_split_texts(corpus.list_source_files(), 0, HELDOUT_BYTES)
-    tokens = corpus.tokenize_documents(tokenizer, texts[half::2]).astype(np.int64)
+    return corpus.tokenize_documents(tokenizer, texts[half::2]).astype(np.int64)
+
+
+def heldout_windows(count: int, half: int, seed: int, exclude: set) -> np.ndarray:
+    """``count`` 64-token windows of one half of the held-out files, none in ``exclude``."""
+    tokens = heldout_tokens(half)
     windows = sample_prompts(tokens, 2 * count, PROMPT_LEN, np.random.default_rng(seed))
     kept = [w for w in windows if tuple(w.tolist()) not in exclude]
     return np.stack(kept[:count])

@@ -86,3 +86,17 @@ def test_online_sts_replay_recovers_an_overconfident_heads_temperature():
     )
     calibrated, _ = online_sts(logits / 2.0, accepted, steps=2000, rows=16, seed=0)
     assert calibrated == pytest.approx([1.0] * K, abs=0.1)
+
+
+def test_heldout_windows_come_from_held_out_files_and_skip_the_excluded():
+    from refit_confidence_head import PROMPT_LEN, heldout_windows
+
+    first = heldout_windows(8, half=0, seed=0, exclude=set())
+    assert first.shape == (8, PROMPT_LEN) and first.dtype == np.int64
+    np.testing.assert_array_equal(first, heldout_windows(8, half=0, seed=0, exclude=set()))
+    # Excluding a window replaces it; the other half of the files gives other windows.
+    again = heldout_windows(8, half=0, seed=0, exclude={tuple(first[0].tolist())})
+    assert tuple(first[0].tolist()) not in {tuple(w.tolist()) for w in again}
+    np.testing.assert_array_equal(again[:7], first[1:])
+    other = heldout_windows(8, half=1, seed=0, exclude=set())
+    assert not {tuple(w.tolist()) for w in other} & {tuple(w.tolist()) for w in first}
