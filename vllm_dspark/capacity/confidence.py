@@ -63,9 +63,9 @@ class ConfidenceHead(torch.nn.Module):
         draft_miss_logprob: bool = False,
     ):
         super().__init__()
-        weight = weight.float().reshape(weight.shape[0] if weight.dim() == 2 else 1, -1)
         bias = bias if bias is not None else torch.zeros(weight.shape[0])
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [1 or K, inputs]
+        # [1 or K, inputs]: one row shared by every position, or one per position.
+        self.weight = torch.nn.Parameter(weight.float(), requires_grad=False)
         self.bias = torch.nn.Parameter(bias.float().reshape(-1), requires_grad=False)
         self.reads_draft_logprob = draft_logprob
         self.reads_draft_miss_logprob = draft_miss_logprob
