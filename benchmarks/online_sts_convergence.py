@@ -165,6 +165,9 @@ def main() -> int:
             "steps_after": final["steps"],
             "temperatures": final["temperatures"],
             "ece": calibration["prefix"]["ece"],
+            # What an exactly calibrated head would show on these trials (see
+            # vllm_dspark.capacity.calibration_stats): read the ECE against it.
+            "ece_noise_floor": calibration["prefix"]["ece_noise_floor"],
             "auroc": calibration["prefix"]["auroc"],
             "conditional_ece": calibration["conditional"]["ece"],
             "max_ece": max(calibration["prefix"]["ece"]),

@@ -30,13 +30,26 @@ def test_calibrated_predictions_have_small_ece_and_informative_auroc():
     assert summary["prefix"].trials == [20_000] * K
     # Conditional trials shrink with the accepted prefix.
     assert summary["conditional"].trials[0] == 20_000 > summary["conditional"].trials[2]
+    # A calibrated head's ECE is its noise floor, up to the floor's own spread; the floor
+    # falls as trials grow (~1 / sqrt(n)).
+    for kind in ("conditional", "prefix"):
+        floors, eces = summary[kind].ece_noise_floor, summary[kind].ece
+        assert all(0.002 < f < 0.02 for f in floors), (kind, floors)
+        assert eces == pytest.approx(floors, abs=0.01), kind
+    small = CalibrationStats(K, torch.device("cpu"))
+    simulate(small, random_survival(2_000, gen), gen)
+    few = small.summary()["prefix"].ece_noise_floor
+    many = summary["prefix"].ece_noise_floor
+    assert all(a > 2 * b for a, b in zip(few, many, strict=True))
 
 
 def test_miscalibration_shows_in_ece():
     gen = torch.Generator().manual_seed(1)
     stats = CalibrationStats(K, torch.device("cpu"))
     simulate(stats, random_survival(20_000, gen), gen, calibrated=False)
-    assert min(stats.summary()["conditional"].ece) > 0.1
+    summary = stats.summary()["conditional"]
+    assert min(summary.ece) > 0.1
+    assert max(summary.ece_noise_floor) < 0.03  # the floor is the outcomes', not the head's
 
 
 def test_unverified_positions_are_censored_not_counted_as_rejections():
