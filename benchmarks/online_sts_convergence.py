@@ -168,6 +168,9 @@ def main() -> int:
             # What an exactly calibrated head would show on these trials (see
             # vllm_dspark.capacity.calibration_stats): read the ECE against it.
             "ece_noise_floor": calibration["prefix"]["ece_noise_floor"],
+            # Fully verified rows: ~200 x 127 / acceptance length is expected (a check
+            # that no other rows reach the statistics).
+            "trials": calibration["prefix"]["trials"],
             "auroc": calibration["prefix"]["auroc"],
             "conditional_ece": calibration["conditional"]["ece"],
             "max_ece": max(calibration["prefix"]["ece"]),
