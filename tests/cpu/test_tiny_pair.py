@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_dspark.capacity.confidence import TOP1_LOGPROB_CAP
 from vllm_dspark.tiny_pair import calibration as cal
 from vllm_dspark.tiny_pair import corpus, export
 from vllm_dspark.tiny_pair.drafter import (
@@ -432,7 +434,8 @@ def test_confidence_head_reads_the_draft_top1_logprob(pair, logprob_drafter):
     top1 = torch.log_softmax(proposal.logits.float(), dim=-1).amax(dim=-1)
     torch.testing.assert_close(proposal.draft_logprob, top1)
     torch.testing.assert_close(proposal.confidence_inputs[..., -2], top1)
-    torch.testing.assert_close(proposal.confidence_inputs[..., -1], torch.log(1 - top1.exp()))
+    capped = top1.clamp(max=TOP1_LOGPROB_CAP)
+    torch.testing.assert_close(proposal.confidence_inputs[..., -1], torch.log(1 - capped.exp()))
     # Row j of the head scores position j.
     head = logprob_drafter.confidence_head
     expected = torch.einsum("bajd,jd->baj", proposal.confidence_inputs, head.weight) + head.bias
@@ -462,7 +465,8 @@ def test_plugin_confidence_head_follows_the_checkpoint_layout(
     hidden, markov = torch.randn(5, 32), torch.randn(5, 4)
     logits = torch.randn(5, VOCAB) * 3
     top1 = torch.log_softmax(logits, dim=-1).amax(dim=-1, keepdim=True)
-    features = torch.cat([hidden, markov, top1, torch.log(1 - top1.exp())], dim=-1)
+    miss = torch.log(1 - top1.clamp(max=TOP1_LOGPROB_CAP).exp())
+    features = torch.cat([hidden, markov, top1, miss], dim=-1)
     ours = logprob_drafter.confidence_head(features)  # [5, 7]: one column per position
     for position in (0, 3, 6):
         torch.testing.assert_close(head(hidden, markov, logits, position), ours[:, position])
@@ -477,3 +481,17 @@ def test_plugin_confidence_head_follows_the_checkpoint_layout(
     (draft / "config.json").write_text(json.dumps(config))
     with pytest.raises(DSparkOptionError, match="has 38 inputs.*has 37"):
         ConfidenceHead.from_checkpoint(str(draft), hidden_and_rank, 7, "cpu")
+
+
+def test_draft_statistics_cap_the_top1_before_the_miss_log_probability():
+    from vllm_dspark.capacity.confidence import draft_statistics
+
+    top1 = torch.tensor([0.0, -1e-9, -0.5])
+    stats = draft_statistics(top1, logprob=True, miss_logprob=True)
+    assert stats.shape == (3, 2) and torch.isfinite(stats).all()
+    torch.testing.assert_close(stats[:, 0], top1)
+    floor = math.log(-math.expm1(TOP1_LOGPROB_CAP))
+    torch.testing.assert_close(
+        stats[:, 1], torch.tensor([floor, floor, math.log(1 - math.exp(-0.5))])
+    )
+    assert draft_statistics(top1, logprob=False, miss_logprob=False).shape == (3, 0)
