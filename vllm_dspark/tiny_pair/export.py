@@ -39,7 +39,7 @@ def confidence_input_layout(draft_logprob: bool, draft_miss_logprob: bool = Fals
     if draft_logprob:
         parts.append("log_softmax(draft_logits).max()[1]")
     if draft_miss_logprob:
-        parts.append("log(1 - exp(log_softmax(draft_logits).max()))[1]")
+        parts.append("log(1 - exp(min(log_softmax(draft_logits).max(), log(0.999))))[1]")
     return f"concat({', '.join(parts)})"
 
 
