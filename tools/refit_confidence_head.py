@@ -31,6 +31,7 @@ import argparse
 import functools
 import hashlib
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -189,7 +190,8 @@ def main() -> int:
         **cpu_record_header(),
         "setup": (
             f"embedded pair, k={drafter.config.block_size}, greedy, {args.new_tokens} new tokens, "
-            f"15 bins; calibration: {args.calibration_prompts} windows "
+            f"15 bins; windows of the held-out files of Python {platform.python_version()}'s "
+            f"stdlib and site-packages; calibration: {args.calibration_prompts} windows "
             f"({records['calibration'].num_steps} verify steps); online STS: {args.steps} steps "
             f"x {args.concurrency} rows of {args.warm_prompts} other windows "
             f"({records['warm'].num_steps} verify steps); evaluated on the 256 shipped "
