@@ -115,3 +115,30 @@ def test_divergences_name_the_first_differing_position_and_its_top_two_gap():
     logprobs = [[top_two(-0.1, -3.0)] * 3, [top_two(-0.5, -2.0), top_two(-0.7, -0.7001)] * 2]
     found = divergences([[1, 2, 3], [4, 8, 6]], reference, logprobs)
     assert found == [{"prompt": 1, "position": 1, "top_two_gap": pytest.approx(1e-4)}]
+
+
+def test_the_speculator_feeds_its_verifications_and_temperatures(plugin_speculator):
+    """``dspark_online_sts`` in the speculator: each real step's verified and accepted
+    drafts, against the confidence logits proposed for those slots, under the temperatures
+    in use; a refit writes the temperatures the captured graphs read."""
+    from types import SimpleNamespace
+
+    speculator = plugin_speculator(3, dspark_capacity="budget", dspark_budget_frac=1.0)
+    speculator.temperatures = torch.ones(3)  # what loading the draft model sets
+    speculator.online_sts = OnlineSTS(speculator.temperatures.clone(), refit_every=2)
+    speculator.drafted_last, speculator.draft_depth = True, 3
+    speculator.slot_confidence_logits[:2] = torch.tensor([[4.0, 4.0, 4.0], [-4.0, -4.0, -4.0]])
+    batch = SimpleNamespace(
+        num_reqs=2, cu_num_logits=torch.tensor([0, 4, 8]), idx_mapping=torch.tensor([1, 0])
+    )
+    # Slot 1 (confident to reject) accepted all three, slot 0 (confident) none.
+    temperatures = speculator.temperatures
+    for _ in range(2):
+        speculator.observe_real_step(batch, torch.tensor([4, 1]))
+    sts = speculator.online_sts
+    assert sts.steps == 2 and sts.refits == 1
+    # Two rows a step, every position's survival known; the second step's counts decayed.
+    assert sts.trials.sum(dim=1).tolist() == pytest.approx([2 + 2 * 0.999] * 3)
+    assert sts.hits.sum(dim=1).tolist() == pytest.approx([1 + 0.999] * 3)
+    # Confidences that said the opposite of what happened: the fit flattens them.
+    assert speculator.temperatures is temperatures and (temperatures > 1.0).all()
