@@ -495,3 +495,18 @@ def test_draft_statistics_cap_the_top1_before_the_miss_log_probability():
         stats[:, 1], torch.tensor([floor, floor, math.log(1 - math.exp(-0.5))])
     )
     assert draft_statistics(top1, logprob=False, miss_logprob=False).shape == (3, 0)
+
+
+def test_the_model_card_states_the_heads_layout():
+    from vllm_dspark.demo import EMBEDDED_PAIR
+
+    training = json.loads((EMBEDDED_PAIR / "training.json").read_text())
+    report = json.loads((EMBEDDED_PAIR / "eval.json").read_text())
+    sizes = dict.fromkeys(
+        ("target_parameters", "target_bytes", "draft_parameters", "draft_bytes"), 1
+    ) | {"heldout_prompts": 256}
+    refitted = export.model_card(sizes, report, training)
+    assert "`confidence_head.weight` [7, 290]" in refitted and "log(1 - exp(" in refitted
+    report["setup"]["confidence_head_refitted_on_calibration_split"] = False
+    as_trained = export.model_card(sizes, report, training)
+    assert "`confidence_head.weight` [1, 288]" in as_trained and "log(1 - exp(" not in as_trained

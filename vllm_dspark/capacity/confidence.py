@@ -38,14 +38,21 @@ DRAFT_MISS_LOGPROB_KEY = "confidence_head_draft_miss_logprob"
 TOP1_LOGPROB_CAP = -1e-3
 
 
-def draft_statistics(top1_logprob: torch.Tensor, logprob: bool, miss_logprob: bool):
-    """The confidence inputs read from the draft distribution: [..., 0-2] from l = [...]."""
+def top1_logprob(logits: torch.Tensor) -> torch.Tensor:
+    """log max_v softmax(logits)_v in float32. [..., V] -> [...]."""
+    logits = logits.float()
+    return logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)
+
+
+def draft_statistics(top1: torch.Tensor, logprob: bool, miss_logprob: bool) -> torch.Tensor:
+    """The confidence inputs read from the draft distribution: [..., 0-2] from its top-1
+    log-probability l [...]: l, log(1 - e^l), as asked."""
     parts = []
     if logprob:
-        parts.append(top1_logprob)
+        parts.append(top1)
     if miss_logprob:
-        parts.append(torch.log(-torch.expm1(top1_logprob.clamp(max=TOP1_LOGPROB_CAP))))
-    return torch.stack(parts, dim=-1) if parts else top1_logprob.new_zeros((*top1_logprob.shape, 0))
+        parts.append(torch.log(-torch.expm1(top1.clamp(max=TOP1_LOGPROB_CAP))))
+    return torch.stack(parts, dim=-1) if parts else top1.new_zeros((*top1.shape, 0))
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -88,8 +95,7 @@ class ConfidenceHead(torch.nn.Module):
         [rows, r], draft logits [rows, V] -> [rows]."""
         parts = [hidden.float(), markov_embed.float()]
         if self.reads_draft_logprob or self.reads_draft_miss_logprob:
-            logits = logits.float()
-            top1 = logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)
+            top1 = top1_logprob(logits)
             parts.append(
                 draft_statistics(top1, self.reads_draft_logprob, self.reads_draft_miss_logprob)
             )

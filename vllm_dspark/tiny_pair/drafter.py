@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dspark.capacity.confidence import draft_statistics
+from vllm_dspark.capacity.confidence import draft_statistics, top1_logprob
 
 
 @dataclass
@@ -382,12 +382,6 @@ class DSparkDrafter(nn.Module):
             confidence_inputs=torch.stack(inputs, dim=2) if keep_confidence_inputs else None,
             draft_logprob=torch.stack(logprobs, dim=2),
         )
-
-
-def top1_logprob(logits: torch.Tensor) -> torch.Tensor:
-    """log max_v softmax(logits)_v in float32. [..., V] -> [...]."""
-    logits = logits.float()
-    return logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)
 
 
 @dataclass

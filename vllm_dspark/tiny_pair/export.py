@@ -24,6 +24,7 @@ from vllm_dspark.capacity import confidence
 
 from .corpus import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN
 from .drafter import DrafterConfig, DSparkDrafter
+from .evaluate import with_position_heads
 
 CONFIDENCE_PREFIX = "confidence_head."
 # The draft config.json keys that say the confidence head reads one more input each, the
@@ -232,8 +233,11 @@ def model_card(sizes: dict, eval_report: dict, training: dict) -> str:
         if refitted
         else "none"
     )
-    head_rows = d_cfg["block_size"] if refitted else 1
-    head_inputs = d_cfg["hidden_size"] + d_cfg["markov_rank"] + 2 * int(refitted)
+    head = DrafterConfig(**d_cfg)
+    head = with_position_heads(head) if refitted else head
+    layout = confidence_input_layout(
+        head.confidence_draft_logprob, head.confidence_draft_miss_logprob
+    )
     if d_train["confidence_grad_scale"] != 1.0:
         scale = d_train["confidence_grad_scale"]
         confidence_label += f", its gradient into the drafting features scaled by {scale:g}"
@@ -256,8 +260,8 @@ benchmarks of speculative decoding only.
   parameters ({sizes["draft_bytes"] / 1e6:.1f} MB): {layers} Qwen3 layer{"s" * (layers > 1)}
   (hidden {d_cfg["hidden_size"]}, MLP {d_cfg["intermediate_size"]}), `fc` over target layers
   {d_cfg["target_layer_ids"]}, Markov head of rank {d_cfg["markov_rank"]}, confidence head
-  `confidence_head.weight` [{head_rows}, {head_inputs}] / `.bias` [{head_rows}]
-  (float32; input `{confidence_input_layout(refitted, refitted)}`). It shares the
+  `confidence_head.weight` [{head.confidence_head_rows}, {head.confidence_inputs}] / `.bias`
+  [{head.confidence_head_rows}] (float32; input `{layout}`). It shares the
   target's embedding and LM head (not stored). `dspark_calibration.json`: STS
   temperatures of the confidence logits.
 - `eval.json`: the PyTorch evaluation below; `training.json`: corpus and training record;
