@@ -507,3 +507,27 @@ def test_an_engine_settles_over_every_concurrency_before_it_measures(fake_llm, m
     # The engine's warm-up, the settling pass, then per concurrency a short warm-up and
     # one measured batch.
     assert [len(batch) for batch in fake_llm.batches] == [8, 1, 3, 1, 1, 3, 3]
+
+
+def test_the_capacity_ceiling_admits_what_pays_and_only_that():
+    import torch
+    from capacity_ceiling import K, best_step, end_to_end_ceiling
+
+    survival = torch.full((4, K), 0.9).cumprod(dim=1)
+    draft_ms = {depth: 0.0 for depth in range(1, K + 1)}
+    # Verification free at any size: every slot of the full depth pays.
+    free = {"forward_ms": {4: 1.0, 64: 1.0}, "nospec_step_ms": 1.0, "draft_ms": draft_ms}
+    rate, depth, admitted = best_step(survival, free)
+    assert (depth, admitted) == (K, 4 * K)
+    assert rate == pytest.approx(4 + 4 * float(survival[0].sum()))
+    # Each verified token costs as much as a whole step: no draft pays.
+    steep = dict(free, forward_ms={4: 1.0, 64: 16.0})
+    assert best_step(survival, steep)[1:] == (0, 0)
+    # A verified token at half a step's cost per token: the likelier drafts pay, the
+    # unlikelier do not, and each request keeps the same prefix (equal survivals).
+    half = dict(free, forward_ms={4: 1.0, 32: 4.5})
+    rate, _, admitted = best_step(survival, half)
+    assert 0 < admitted < 4 * K and admitted % 4 == 0 and rate > 4.0
+    assert end_to_end_ceiling(1.0, 100.0, 4, 128, 10.0) == pytest.approx(1.0)
+    # A batch that is all decode steps speeds up by the whole decode ceiling.
+    assert end_to_end_ceiling(2.0, 4 * 128 / (1.27), 4, 128, 10.0) == pytest.approx(2.0)

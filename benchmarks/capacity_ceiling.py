@@ -1,0 +1,184 @@
+"""The most any capacity controller could gain on the Qwen3-8B shape, from measured costs.
+
+    python benchmarks/capacity_ceiling.py --out benchmarks/results/capacity_ceiling.json
+
+CPU only: it reads what H200 runs committed and models one pure-decode step of R requests
+with a K=7 DSpark drafter (setup (b) of the capacity issue). For every physical depth d
+and every admission count N it takes the expected tokens of the step, R plus the N best
+prefix survivals of the batch (calibrated synthetic confidence around the sweep's
+acceptance profile, :mod:`vllm_dspark.capacity.synthetic`, so the expectation is exact),
+over the step's time, and keeps the best. Every choice is optimistic:
+- admission is an oracle on the step's own survivals (the lossless scheme must take its
+  count from the previous proposal), best per batch;
+- the target's forward at R + N tokens is linear between the forwards measured at R, 2R,
+  4R and 8R tokens (the finer SPS curve lies above that line: at 384 tokens 13.27 ms
+  against 12.02 on it, ``sps_curve_qwen3_8b.json``);
+- a speculative step costs that forward, the draft graph at depth d
+  (``depth_time.json``), and what a step without speculation spends outside its forward;
+  the context-K/V store, the larger rejection sampling and the controller's host work are
+  left out.
+The ratio is to a step without speculation measured in the same run as the forwards.
+End to end (``end_to_end_ceiling``), the batch of the capacity sweep's setup (b) (all
+requests at once, --output-len tokens each) keeps its time outside decode steps, its
+length less (output_len - 1) steps without speculation, and divides the rest by the
+decode ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+from offline_sweep import DEFAULT_RATES, conditional_rates
+
+from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, prefix_survival
+from vllm_dspark.capacity.synthetic import SyntheticConfidence
+
+K = 7
+RESULTS = Path(__file__).parent / "results"
+# What each multiple of R tokens per request was measured with: (file, arm).
+FORWARD_SOURCES = {
+    1: ("step_breakdown_graphs1024_a37526b.json", "nospec"),
+    2: ("step_breakdown_graphs1024_a37526b.json", "dspark-k1"),
+    4: ("step_breakdown_graphs1024_a37526b.json", "dspark-k3"),
+    8: ("step_breakdown_overhead_a37526b.json", "conf-k7"),
+}
+DEPTH_SOURCE = "depth_time.json"
+SWEEP_SOURCE = ("capacity_sweep.json", "qwen3-8b/confidence")
+
+
+def _row(results: Path, name: str, arm: str, concurrency: int) -> dict:
+    rows = json.loads((results / name).read_text())["rows"]
+    return next(r for r in rows if r["arm"] == arm and r["concurrency"] == concurrency)
+
+
+def measured_costs(results: Path, concurrency: int) -> dict:
+    """Forward ms at R * multiple tokens, the no-speculation step, and draft ms by depth."""
+    forward = {}
+    for multiple, (name, arm) in FORWARD_SOURCES.items():
+        forward[concurrency * multiple] = _row(results, name, arm, concurrency)["phases_ms"][
+            "target_forward"
+        ]
+    nospec = _row(results, *FORWARD_SOURCES[1], concurrency)
+    depths = json.loads((results / DEPTH_SOURCE).read_text())["rows"]
+    draft = {r["depth"]: r["draft_ms"] for r in depths if r["concurrency"] == concurrency}
+    return {"forward_ms": forward, "nospec_step_ms": nospec["step_ms_median"], "draft_ms": draft}
+
+
+def best_step(survival: torch.Tensor, costs: dict) -> tuple[float, int, int]:
+    """(expected tokens per ms, depth, admitted) of the best choice for one batch.
+    survival: [R, K] prefix survivals at full depth."""
+    num_reqs = survival.shape[0]
+    tokens_at = sorted(costs["forward_ms"])
+    forward_at = [costs["forward_ms"][t] for t in tokens_at]
+    outside = costs["nospec_step_ms"] - costs["forward_ms"][num_reqs]
+    best = (num_reqs / costs["nospec_step_ms"], 0, 0)
+    counts = torch.arange(num_reqs * K + 1, dtype=torch.float64)
+    forward = torch.from_numpy(np.interp((num_reqs + counts).numpy(), tokens_at, forward_at))
+    for depth, draft_ms in sorted(costs["draft_ms"].items()):
+        computed = survival.clone()
+        computed[:, depth:] = UNCOMPUTED_SURVIVAL
+        ordered = computed.flatten().sort(descending=True).values.double().clamp(min=0.0)
+        expected = num_reqs + torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
+        rate = expected / (forward + outside + draft_ms)
+        admitted = int(rate.argmax())
+        if float(rate[admitted]) > best[0]:
+            best = (float(rate[admitted]), depth, admitted)
+    return best
+
+
+def ceiling(costs: dict, concurrency: int, batches: int, rates: list[float]) -> dict:
+    """The best choice per batch over ``batches`` batches of synthetic survivals."""
+    synthetic = SyntheticConfidence(conditional_rates(rates)[:K], torch.device("cpu"))
+    nospec_rate = concurrency / costs["nospec_step_ms"]
+    ratios, depths, admitted = [], [], []
+    for batch in range(batches):
+        seeds = torch.arange(concurrency, dtype=torch.int64) + batch * concurrency
+        positions = 200 + torch.arange(1, K + 1).expand(concurrency, K)
+        survival = prefix_survival(synthetic.draw(seeds, positions), torch.ones(K))
+        rate, depth, count = best_step(survival, costs)
+        ratios.append(rate / nospec_rate)
+        depths.append(depth)
+        admitted.append(count / concurrency)
+    mean = sum(ratios) / batches
+    return {
+        "concurrency": concurrency,
+        "ceiling_over_nospec": round(mean, 4),
+        "max_over_batches": round(max(ratios), 4),
+        "depth_chosen": sorted(set(depths)),
+        "admitted_per_request_mean": round(sum(admitted) / batches, 3),
+    }
+
+
+def end_to_end_ceiling(
+    decode_ceiling: float, nospec_tok_s: float, concurrency: int, output_len: int, step_ms: float
+) -> float:
+    """The batch's speed-up when only its decode steps speed up by ``decode_ceiling``."""
+    batch_s = concurrency * output_len / nospec_tok_s
+    decode_s = (output_len - 1) * step_ms / 1000.0
+    return batch_s / (batch_s - decode_s + decode_s / decode_ceiling)
+
+
+def sweep_nospec_tok_s(results: Path, concurrency: int) -> float:
+    name, setup = SWEEP_SOURCE
+    rows = json.loads((results / name).read_text())["rows"]
+    return next(
+        r["tok_s"]
+        for r in rows
+        if r["setup"] == setup and r["arm"] == "nospec" and r["concurrency"] == concurrency
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,64,256")
+    parser.add_argument("--batches", type=int, default=64)
+    parser.add_argument("--rates", default=DEFAULT_RATES)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = []
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        costs = measured_costs(args.results, concurrency)
+        row = ceiling(costs, concurrency, args.batches, rates)
+        nospec_tok_s = sweep_nospec_tok_s(args.results, concurrency)
+        row["end_to_end_ceiling_over_nospec"] = round(
+            end_to_end_ceiling(
+                row["ceiling_over_nospec"],
+                nospec_tok_s,
+                concurrency,
+                args.output_len,
+                costs["nospec_step_ms"],
+            ),
+            4,
+        )
+        rows.append(row | {"inputs": costs | {"sweep_nospec_tok_s": nospec_tok_s}})
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    record = {
+        "command": "capacity_ceiling.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "results"),
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": "CPU (a model over H200 measurements)",
+        "sources": sorted(
+            {name for name, _ in FORWARD_SOURCES.values()} | {DEPTH_SOURCE, SWEEP_SOURCE[0]}
+        ),
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for row in rows:
+        print({k: v for k, v in row.items() if k != "inputs"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
