@@ -6,6 +6,7 @@ import torch
 from vllm_dspark.capacity.allocation import (
     budget_capacity,
     masked_forward_table,
+    padded_to_graph_sizes,
     prefix_survival,
     sps_best_count,
     sps_table_from_curve,
@@ -259,3 +260,45 @@ def test_acceptance_mode_really_changes_the_depth():
     first_tokens(pair, start, 6, DRAFTS, acceptance, torch.Generator().manual_seed(0))
     depths = acceptance._depth.unique()
     assert len(depths) >= 2 and depths.min() < DRAFTS
+
+
+def test_a_step_costs_what_the_graph_size_it_is_padded_to_costs():
+    linear = sps_table_from_curve([(1, 100.0), (16, 40.0)], 20)
+    padded = padded_to_graph_sizes(linear, [1, 2, 4, 8, 16])
+    assert padded[3] == linear[4] and padded[5] == padded[8] == linear[8]
+    assert padded[9] == padded[16] == linear[16]
+    assert torch.equal(padded[17:], linear[17:])  # past the largest graph: no padding
+    assert torch.equal(padded_to_graph_sizes(linear, []), linear)  # eager: none
+
+
+def test_sps_fills_the_graph_size_its_admission_is_padded_to():
+    # 64 requests, K = 7, every draft half likely to survive; graphs every 16 tokens. On
+    # the interpolated curve the best admission falls between two sizes, where the step
+    # pays for the next size anyway; on the padded table it verifies up to that size, for
+    # more expected tokens per second at what the steps really cost.
+    survival = torch.full((64, 7), 0.5)
+    sizes = list(range(64, 513, 16))
+    linear = sps_table_from_curve([(64, 100.0), (128, 95.0), (512, 30.0)], 64 * 8)
+    padded = padded_to_graph_sizes(linear, sizes)
+    on_linear = sps_best_count(survival, linear).item()
+    on_padded = sps_best_count(survival, padded).item()
+    assert 64 + on_linear not in sizes and 64 + on_padded in sizes
+
+    def rate(admitted: int) -> float:  # expected tokens per second as the steps cost
+        return (64 + 0.5 * admitted) * float(padded[64 + admitted])
+
+    assert rate(on_padded) > rate(on_linear)
+
+
+def test_the_speculators_curve_is_padded_to_its_engines_graph_sizes(sps_speculator):
+    from vllm.config.compilation import CUDAGraphMode
+
+    speculator = sps_speculator(num_drafts=3)
+    curve = [[1, 100.0], [16, 99.0], [128, 20.0]]
+    compilation = speculator.vllm_config.compilation_config
+    compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    compilation.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 24, 32]
+    speculator.set_sps_curve(curve, speculator.device)
+    table = speculator.sps_table_host
+    assert table[17] == table[24] == pytest.approx(float(sps_table_from_curve(curve, 24)[24]))
+    assert table[33] < table[32]  # past the largest graph: as interpolated

@@ -152,6 +152,20 @@ def masked_forward_table(sps_table: torch.Tensor, num_reqs: int, num_drafts: int
     return table
 
 
+def padded_to_graph_sizes(sps_table: torch.Tensor, graph_sizes: list[int]) -> torch.Tensor:
+    """``sps_table`` as the runner pays it: a step of T tokens, up to the largest CUDA-graph
+    size, replays the smallest captured size that holds T, padded, so it runs as long as a
+    step of that size. A curve interpolated between its points makes T short of a size look
+    cheaper than the size, so ``sps`` would leave drafts the padding verifies for free."""
+    sizes = torch.tensor(sorted({s for s in graph_sizes if 0 < s < len(sps_table)}))
+    if len(sizes) == 0:
+        return sps_table
+    tokens = torch.arange(int(sizes[-1]) + 1)
+    table = sps_table.clone()
+    table[: len(tokens)] = sps_table[sizes[torch.searchsorted(sizes, tokens)]]
+    return table
+
+
 def sps_table_from_curve(curve: list[tuple[int, float]], max_tokens: int) -> torch.Tensor:
     """Steps per second for T = 0..max_tokens: linear between the curve's points, held
     below the first, and beyond the last at the last point's tokens per second (SPS

@@ -31,6 +31,7 @@ from vllm_dspark.capacity.allocation import (
     admission_budget,
     budget_capacity,
     masked_forward_table,
+    padded_to_graph_sizes,
     sps_best_count,
     sps_table_from_curve,
     threshold_count,
@@ -317,7 +318,8 @@ class CapacityControl:
         if profiled:
             self.profiled_sps_curve = curve
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
-        self.sps_table_host = sps_table_from_curve(curve, max_tokens).double()
+        table = sps_table_from_curve(curve, max_tokens)
+        self.sps_table_host = padded_to_graph_sizes(table, _graph_sizes(self.vllm_config)).double()
         self.sps_table = self.sps_table_host.float().to(device)
 
     def observe_real_step(self, input_batch, num_sampled: torch.Tensor) -> None:
@@ -600,6 +602,16 @@ class CapacityControl:
         )
         if self.controls_capacity and self.options.varlen_verify:
             _check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
+
+
+def _graph_sizes(vllm_config: VllmConfig) -> list[int]:
+    """The token counts the runner pads a step to (its CUDA-graph sizes; none when eager)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return []
+    return list(compilation.cudagraph_capture_sizes or ())
 
 
 def _tp_reduce_max():
