@@ -37,6 +37,8 @@ def test_the_gate_closes_under_load_and_reopens_as_load_leaves():
     assert gate.decide(1, survival, K)  # one request: speculation pays
     on, off = gate.gains(1, survival, K)
     assert on > 1.5 * off
+    # More than a plain step of the forward alone could: no plain cost would close it.
+    assert gate.beats_any_plain_step
     assert not gate.decide(256, survival, K)  # every admission costs more than it gains
     on, off = gate.gains(256, survival, K)
     assert on < off
@@ -179,6 +181,8 @@ def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():
     gate = DraftGate(sps_table(0.0, 0.5), {K: draft_seconds_table([(1, 0.2), (256, 0.3)], R_MAX)})
     survival = [0.4, 0.15, 0.05, 0.02, 0.01, 0.0, 0.0]
     assert gate.decide(8, survival, K, overhead_s=2.4e-3, skip_s=0.2e-3)
+    # Open, but not against every plain step: what one costs decides (the probe measures it).
+    assert not gate.beats_any_plain_step
     on, off = gate.gains(8, survival, K, overhead_s=2.4e-3, plain_s=1.1e-3)
     assert off == pytest.approx(8 / 1.6e-3)  # R / (forward + P)
     assert on < off

@@ -359,8 +359,13 @@ def test_the_plain_cost_probe_closes_an_open_gate_per_new_batch_range_and_now_an
         False
     ] * 4
     assert not any(probe.closes(100, True) for _ in range(8))  # the same range (64..127)
-    assert probe.closes(128, True)  # a new range
-    probe.burst_left = 0
+    # A new range where the gate drafts whatever a plain step costs: no probe, and the range
+    # stays unmeasured until the decision is close there.
+    assert not probe.closes(128, True, decided=True)
+    assert (128).bit_length() not in probe.measured_ranges
+    assert probe.closes(128, True)  # a new range, decision open to a plain step's cost
+    assert not probe.closes(128, True, decided=True)  # a burst ends once decided
+    assert probe.burst_left == 0
     # A closed gate runs plain steps anyway: its range counts as measured.
     assert not probe.closes(16, False)
     assert not probe.closes(16, True)
@@ -403,8 +408,9 @@ def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
     plugin_speculator,
 ):
     """With its costs measured while serving, an open gate is closed for a burst when the
-    batch enters a range whose plain steps were never timed; a closed gate's plain steps
-    time that range, so the gate reopened there drafts at once."""
+    batch enters a range whose plain steps were never timed and a plain step's cost could
+    close it there; a closed gate's plain steps time that range, so the gate reopened there
+    drafts at once."""
     speculator = closed_measuring_gate(plugin_speculator)
     probe = speculator.plain_cost_probe
     assert probe.measured_ranges == {(16).bit_length()}
@@ -413,7 +419,10 @@ def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
         speculator.record_proposal(torch.full((16, K), 0.95))
         verdicts.append(speculator.plan_proposal(16, K))
         assert probe.burst_left == 0  # reopened without a burst of its own
-    assert speculator.plan_proposal(1, K) is False and probe.burst_left > 0  # a new range
+    # One request: a new range, but drafting there beats even a plain step costing only
+    # the forward (100 tokens/s against 380 for drafting its survivals): no probe.
+    assert speculator.plan_proposal(1, K) and probe.burst_left == 0
+    assert (1).bit_length() not in probe.measured_ranges
 
 
 def test_a_gate_closed_as_the_batch_enters_a_new_range_still_probes(plugin_speculator):

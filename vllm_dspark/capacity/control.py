@@ -275,7 +275,8 @@ class CapacityControl:
             overhead = self.step_overhead
             if self.draft_gate is not None and overhead.measuring and overhead.ready:
                 # Told also of a closed gate, whose plain steps measure its batch range.
-                closes = self.plain_cost_probe.closes(num_reqs, gate_open)
+                decided = self.draft_gate.beats_any_plain_step
+                closes = self.plain_cost_probe.closes(num_reqs, gate_open, decided)
                 gate_open = gate_open and not closes
             # An open verdict (a probe of the closed gate's too) holds until a step the
             # scheduler gave drafts takes it: the scheduler acts a step or two late.

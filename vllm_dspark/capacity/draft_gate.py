@@ -151,6 +151,10 @@ class DraftGate:
     masked_step_drafts: int = 0
     drafting: bool = True
     skipped_in_a_row: int = 0
+    # Whether the last decision drafted with a margin no plain step could close: it beat a
+    # plain step with no time outside the forward, R SPS(R), the fastest a plain step is.
+    # Measuring plain steps (plain_steps.PlainCostProbe) can change nothing then.
+    beats_any_plain_step: bool = False
 
     def gains(
         self,
@@ -190,6 +194,8 @@ class DraftGate:
         best, without = self.gains(num_reqs, mean_survival, depth, **costs)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
+        fastest_plain = num_reqs * float(self.sps_table[num_reqs])
+        self.beats_any_plain_step = best >= fastest_plain * (1 + HYSTERESIS)
         if self.drafting:
             self.skipped_in_a_row = 0
             return True

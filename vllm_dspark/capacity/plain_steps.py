@@ -22,8 +22,12 @@ cannot show (:mod:`step_overhead` fits it from plain steps alone). So that it is
 before the gate has ever closed, :class:`PlainCostProbe` closes an open gate for a few
 proposals in a row whenever the batch size enters a range (a power of two) whose plain
 steps were not measured, and every ``PLAIN_REFRESH`` proposals: a handful of plain steps
-in a thousand, where drafting pays, is what knowing when it stops paying costs. It counts
-proposals and reads the batch size, the same on every rank.
+in a thousand, where drafting pays, is what knowing when it stops paying costs. Not where
+drafting beats even a plain step that costs nothing beyond the target's forward (the gate
+tells, ``DraftGate.beats_any_plain_step``): no measured cost could close the gate there,
+and each plain step would only lose what drafting gains (at one request on the Qwen3-8B
+shape, 2.6x). It counts proposals and reads the batch size and the gate's verdicts, the
+same on every rank.
 
 The Dynamic SD table :func:`dynamic_sd_table` gives the engine K drafts at every real
 batch size, plus a 0 past any of them: vLLM then also captures FULL decode CUDA graphs
@@ -61,13 +65,17 @@ class PlainCostProbe:
         self.since_measured = 0
         self.burst_left = 0
 
-    def closes(self, num_reqs: int, gate_open: bool) -> bool:
-        """Whether the coming proposal is reported closed although the gate is open."""
+    def closes(self, num_reqs: int, gate_open: bool, decided: bool = False) -> bool:
+        """Whether the coming proposal is reported closed although the gate is open
+        (``decided``: the gate drafts whatever a plain step costs; no probe then)."""
         self.since_measured += 1
         batch_range = num_reqs.bit_length()
         if not gate_open:  # plain steps follow anyway and are timed
             self.measured_ranges.add(batch_range)
             self.since_measured = self.burst_left = 0
+            return False
+        if decided:
+            self.burst_left = 0
             return False
         stale = self.since_measured >= PLAIN_REFRESH
         if self.burst_left == 0 and (batch_range not in self.measured_ranges or stale):
