@@ -148,6 +148,14 @@ class DepthGraphs:
         if self._depth_graphs:
             self._use_depth(depth)
 
+    def plan_proposal(self, num_reqs: int, depth: int) -> bool:
+        """As capacity control plans it, at the shallower depth the draft gate chose where
+        the planned one does not pay."""
+        drafting = super().plan_proposal(num_reqs, depth)
+        if drafting and self._depth_graphs and self.gate_depth < depth:
+            self._use_depth(self.gate_depth)
+        return drafting
+
 
 class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):

@@ -76,10 +76,14 @@ def test_a_shallow_proposal_is_weighed_at_its_own_cost():
     assert proposal_seconds(gate.draft_seconds, 256, 1) == pytest.approx(2e-3)
     # Depth 3 has no timed graph: it is weighed at the next deeper one's cost.
     assert proposal_seconds(gate.draft_seconds, 256, 3) == pytest.approx(10e-3)
-    # At 256 requests, a full proposal does not pay, a one-position one does.
-    assert not DraftGate(gate.sps_table, {K: full}).decide(256, survival, K)
-    assert not gate.decide(256, survival, K)
-    assert gate.decide(256, survival, 1)
+    # At 256 requests, a full proposal does not pay, a one-position one does: with only
+    # the full depth timed the gate closes; with depth 1 timed too it drafts that depth.
+    only_full = DraftGate(gate.sps_table, {K: full})
+    assert not only_full.decide(256, survival, K) and only_full.depth_chosen == K
+    assert gate.decide(256, survival, K) and gate.depth_chosen == 1
+    assert gate.decide(256, survival, 1) and gate.depth_chosen == 1
+    # At one request the full depth pays: it is kept.
+    assert gate.decide(1, survival, K) and gate.depth_chosen == K
 
 
 def test_hysteresis_keeps_a_decision_near_the_break_even():

@@ -351,3 +351,25 @@ def test_a_dflash_drafter_captures_one_graph_set_per_depth(plugin_speculator, mo
     fixed = plugin_speculator(K, method="dflash", dspark_capacity="acceptance")
     fixed.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     assert list(fixed.draft_graph_managers()) == [K]
+
+
+def test_under_load_the_gate_drafts_a_shallower_depth_that_pays(sps_speculator):
+    """sps with dynamic depth at full depth K: where a full proposal costs more than it
+    gains but a depth-1 one pays (timed per depth, as at start-up), the proposal drafts
+    depth 1 rather than nothing; at one request it keeps the depth planned."""
+    speculator = sps_speculator(num_drafts=K, dspark_dynamic_depth=True)
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
+    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
+    # Drafting costs 30 ms at 16 requests at full depth, 0.2 ms at depth 1.
+    speculator.set_draft_cost({1: [(1, 0.1), (16, 0.2)], K: [(1, 0.1), (16, 30.0)]})
+    for _ in range(50):  # the gate's survivals settle at 0.6
+        speculator.record_proposal(torch.full((16, K), 0.6))
+    speculator.draft_depth = K
+    assert speculator.plan_proposal(16, K) and speculator.draft_depth == 1
+    speculator.draft_depth = K
+    assert speculator.plan_proposal(1, K) and speculator.draft_depth == K
+    # Only the full depth timed: nothing shallower to draft, the gate closes.
+    speculator.set_draft_cost({K: [(1, 0.1), (16, 30.0)]})
+    for _ in range(50):
+        speculator.record_proposal(torch.full((16, K), 0.6))
+    assert not speculator.plan_proposal(16, K) and speculator.draft_depth == K

@@ -148,6 +148,7 @@ class CapacityControl:
         # so that an engine switched away from plain steps schedules drafts again.
         self.next_step_drafts = None
         self.gate_report = num_drafts
+        self.gate_depth = num_drafts  # the depth the draft gate last let a proposal draft
         self.open_verdict_pending = False
         self.step_plain = False  # the running step is a plain decode step (set beside step_tokens)
         self.plain_cost_probe = PlainCostProbe() if options.plain_steps else None
@@ -288,6 +289,9 @@ class CapacityControl:
         return drafting
 
     def _gate_open(self, num_reqs: int, depth: int) -> bool:
+        """The draft gate's verdict; ``gate_depth``: the depth it drafts (a shallower one
+        where only that pays)."""
+        self.gate_depth = depth
         if self.draft_gate is None:
             return True
         overhead = self.step_overhead
@@ -299,7 +303,7 @@ class CapacityControl:
             survival = self.acceptance.survival().tolist()
         else:
             survival = self.gate_survival.update(self.stale_survival, num_reqs)
-        return self.draft_gate.decide(
+        gate_open = self.draft_gate.decide(
             num_reqs,
             survival,
             depth,
@@ -308,6 +312,8 @@ class CapacityControl:
             skip_s=overhead.skip_seconds,
             plain_s=plain,
         )
+        self.gate_depth = self.draft_gate.depth_chosen
+        return gate_open
 
     def take_gate_report(self) -> int | None:
         """plain_steps: the drafts the coming steps should schedule (K, or 0 while the

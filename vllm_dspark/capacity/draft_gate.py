@@ -12,27 +12,32 @@ per second of drafting and verifying j positions per request is
     R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j),      j = 1..depth,
 
 against R / (1 / SPS(R) + O + S) without drafting, O and b being the step's time outside
-the curve, per step (at R requests) and per verified draft, and S what a skipped proposal
-still costs (:mod:`step_overhead`); with plain steps, whose cost was measured apart, the
-side without drafting is a plain step's, R / (1 / SPS(R) + P), P its time outside the
-curve at R requests. The gate
-drafts when the best j wins, with a 2% hysteresis either way so that noise does not flip
-it every step. A skipped proposal still lets the drafter store its context K/V (later
-proposals need it) and verifies no draft: the next step's budget is 0 and vLLM runs R
-tokens, as without speculation. While the gate is closed the survival statistics keep
-their last values, so it reopens as load leaves (smaller R); and every ``PROBE_EVERY``
-skipped proposals in a row it drafts one anyway, so that survivals which were low when it
-closed (or the first steps' guesses) are measured again rather than kept for good. The
-survivals it weighs are an average over about the last ``SURVIVAL_MEMORY`` requests'
-proposals (:class:`SurvivalAverage`): the gate follows the load, and one proposal of a
-few requests is too noisy a reading of the workload's acceptance. With
-``gate_objective=batch`` the survivals weighed are instead the mean so far of the request
-that drafts worst (:class:`SlowestRequest`), averaged the same way: a batch submitted at
-once lasts as long as its slowest request, and drafting finishes it sooner only if that
-request gains more tokens per step than a speculative step costs over a plain one (on the
-embedded pair, 256 such requests take 122-127 decode steps with k=7, the 127 of no
-speculation: ``benchmarks/results/batch_steps_embedded.json``). Host arithmetic on values
-every rank reads alike: every tensor-parallel rank decides the same.
+the curve, per step (at R requests) and per verified draft, and S what a skipped
+proposal still costs (:mod:`step_overhead`); with plain steps, whose cost was measured
+apart, the side without drafting is a plain step's, R / (1 / SPS(R) + P), P its time
+outside the curve at R requests. The gate drafts when the best j wins, with a 2%
+hysteresis either way so that noise does not flip it every step. With dynamic depth,
+where the depth planned does not pay, each shallower depth d is weighed too, at its own
+D(R) and j <= d, and the gate drafts the best that pays: at 256 requests on the Qwen3-8B
+shape a full K=7 proposal costs 6.5 ms and a depth-2 one 3.5 ms (``depth_time.json``),
+while the depth planned only falls once steps verify fewer drafts, which a closed gate
+never lets them do. A skipped proposal still lets the drafter store its context K/V
+(later proposals need it) and verifies no draft: the next step's budget is 0 and vLLM
+runs R tokens, as without speculation. While the gate is closed the survival statistics
+keep their last values, so it reopens as load leaves (smaller R); and every
+``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so that survivals which
+were low when it closed (or the first steps' guesses) are measured again rather than
+kept for good. The survivals it weighs are an average over about the last
+``SURVIVAL_MEMORY`` requests' proposals (:class:`SurvivalAverage`): the gate follows the
+load, and one proposal of a few requests is too noisy a reading of the workload's
+acceptance. With ``gate_objective=batch`` the survivals weighed are instead the mean so
+far of the request that drafts worst (:class:`SlowestRequest`), averaged the same way: a
+batch submitted at once lasts as long as its slowest request, and drafting finishes it
+sooner only if that request gains more tokens per step than a speculative step costs
+over a plain one (on the embedded pair, 256 such requests take 122-127 decode steps with
+k=7, the 127 of no speculation: ``benchmarks/results/batch_steps_embedded.json``). Host
+arithmetic on values every rank reads alike: every tensor-parallel rank decides the
+same.
 """
 
 from __future__ import annotations
@@ -155,6 +160,9 @@ class DraftGate:
     # plain step with no time outside the forward, R SPS(R), the fastest a plain step is.
     # Measuring plain steps (plain_steps.PlainCostProbe) can change nothing then.
     beats_any_plain_step: bool = False
+    # The positions the coming proposal computes: the depth asked for, or a shallower one
+    # that pays where that depth does not.
+    depth_chosen: int = 0
 
     def gains(
         self,
@@ -188,12 +196,25 @@ class DraftGate:
 
     def decide(self, num_reqs: int, mean_survival: list[float], depth: int, **costs) -> bool:
         """Whether the coming proposal drafts (``costs``: the step costs :meth:`gains`
-        takes)."""
+        takes). Where drafting ``depth`` positions does not pay but a shallower proposal,
+        whose graphs were timed (dynamic depth), does, the gate drafts that depth instead
+        (``depth_chosen``)."""
+        self.depth_chosen = depth
         if num_reqs == 0:
             return self.drafting
         best, without = self.gains(num_reqs, mean_survival, depth, **costs)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
+        if not self.drafting:
+            shallower = {
+                d: self.gains(num_reqs, mean_survival, d, **costs)[0]
+                for d in self.draft_seconds
+                if d < depth
+            }
+            if shallower:
+                chosen = max(shallower, key=shallower.get)
+                if shallower[chosen] >= without * margin:
+                    self.drafting, self.depth_chosen, best = True, chosen, shallower[chosen]
         fastest_plain = num_reqs * float(self.sps_table[num_reqs])
         self.beats_any_plain_step = best >= fastest_plain * (1 + HYSTERESIS)
         if self.drafting:
