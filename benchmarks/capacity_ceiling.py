@@ -11,8 +11,9 @@ over the step's time, and keeps the best. Every choice is optimistic:
 - admission is an oracle on the step's own survivals (the lossless scheme must take its
   count from the previous proposal), best per batch;
 - the target's forward at R + N tokens is linear between the forwards measured at R, 2R,
-  4R and 8R tokens (the finer SPS curve lies above that line: at 384 tokens 13.27 ms
-  against 12.02 on it, ``sps_curve_qwen3_8b.json``);
+  4R and 8R tokens, where the real cost bulges above its chords (the finer SPS curve,
+  ``sps_curve_qwen3_8b.json``: 13.27 ms at 384 tokens against 12.02 on its chord from
+  256 to 512);
 - a speculative step costs that forward, the draft graph at depth d
   (``depth_time.json``), and what a step without speculation spends outside its forward;
   the context-K/V store, the larger rejection sampling and the controller's host work are
