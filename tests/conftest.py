@@ -70,9 +70,9 @@ def engine_config(vllm_cpu, model_dirs, monkeypatch):
 def plugin_speculator(engine_config, model_dirs):
     """Build vllm-dspark's DSpark (or, ``method="dflash"``, DFlash) speculator on CPU:
     ``num_drafts`` drafts, compact verification, and the given further ``dspark_``
-    options."""
+    options, for up to ``max_num_seqs`` requests (vLLM's default without it)."""
 
-    def build(num_drafts=7, method="dspark", **options):
+    def build(num_drafts=7, method="dspark", max_num_seqs=None, **options):
         from vllm.config import set_current_vllm_config
 
         from vllm_dspark.config import DSparkOptions
@@ -85,7 +85,8 @@ def plugin_speculator(engine_config, model_dirs):
                 "num_speculative_tokens": num_drafts,
                 "dspark_varlen_verify": True,
                 **options,
-            }
+            },
+            **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}),
         )
         speculator = DSparkPluginSpeculator if method == "dspark" else DFlashPluginSpeculator
         with set_current_vllm_config(config):

@@ -373,3 +373,64 @@ def test_under_load_the_gate_drafts_a_shallower_depth_that_pays(sps_speculator):
     for _ in range(50):
         speculator.record_proposal(torch.full((16, K), 0.6))
     assert not speculator.plan_proposal(16, K) and speculator.draft_depth == K
+
+
+def test_at_256_requests_sps_with_dynamic_depth_drafts_shallow_instead_of_closing(
+    plugin_speculator,
+):
+    """The real control path in closed loop on the Qwen3-8B shape's measured costs at 256
+    requests (H200: the target's forward at 256 to 2,048 tokens, the draft graph per depth,
+    depth_time.json), 2 ms a step outside the forward. A full K=7 proposal does not pay
+    there: timed at full depth only, the gate closes. Dynamic depth starts at K too; its
+    gate must draft a shallower depth that pays instead, physical depth follow, and the
+    steps beat a closed gate's."""
+    num_reqs, outside_s = 256, 2e-3
+    forward_ms = {256: 8.98, 512: 15.06, 1024: 24.6, 2048: 44.3}
+    draft_ms = [2.81, 3.52, 4.17, 4.67, 5.31, 6.41, 6.48]  # depth 1..7
+    curve = [[tokens, 1000.0 / ms] for tokens, ms in forward_ms.items()]
+    sps = {"dspark_capacity": "sps", "dspark_sps_curve": curve}
+    sps["dspark_step_overhead_ms"] = outside_s * 1e3
+    confidence = torch.linspace(0.5, 0.95, num_reqs)[:, None].repeat(1, K)
+    survival = torch.cumprod(confidence, dim=1)
+    slots = torch.arange(num_reqs)
+
+    def closed_loop(speculator, steps: int) -> tuple[float, list[int]]:
+        """Expected tokens per second over ``steps`` steps, and each proposal's depth."""
+        table = speculator.sps_table_host
+        tokens = seconds = 0.0
+        depths = []
+        for _ in range(steps):
+            budget = speculator.admission_budget(num_reqs)
+            tokens += num_reqs
+            if budget:
+                capacity = speculator.verify_capacity(slots, budget)
+                speculator.record_admission([f"r{i}" for i in slots], budget, True, capacity)
+                verified = torch.arange(K) < capacity[:, None]  # expected accepted: the
+                tokens += float(survival[verified].sum())  # verified drafts' survivals
+            speculator._plan_depth(num_reqs)
+            drafting = speculator.plan_proposal(num_reqs, speculator.draft_depth)
+            speculator.drafted_last = drafting
+            depth = speculator.draft_depth if drafting else 0
+            draft_s = draft_ms[depth - 1] / 1e3 if depth else 0.0
+            seconds += 1 / float(table[num_reqs + budget]) + outside_s + draft_s
+            if drafting:
+                computed = survival.clone()
+                computed[:, depth:] = UNCOMPUTED_SURVIVAL
+                speculator.slot_survival[slots] = computed
+                speculator.record_proposal(computed, slots)
+            depths.append(depth)
+        return tokens / seconds, depths
+
+    dynamic = plugin_speculator(K, max_num_seqs=num_reqs, dspark_dynamic_depth=True, **sps)
+    dynamic._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
+    dynamic._use_depth = lambda depth: setattr(dynamic, "draft_depth", depth)
+    dynamic.set_draft_cost({d: [(1, ms), (num_reqs, ms)] for d, ms in enumerate(draft_ms, 1)})
+    rate, depths = closed_loop(dynamic, 20 * WINDOW_STEPS)
+    assert dynamic.proposals_skipped == 0 and max(depths[2:]) <= 4
+    # Timed at full depth only (no depth graphs): closed but for its probes.
+    full = plugin_speculator(K, max_num_seqs=num_reqs, **sps)
+    full.set_draft_cost({K: [(1, draft_ms[-1]), (num_reqs, draft_ms[-1])]})
+    full_rate, full_depths = closed_loop(full, 20 * WINDOW_STEPS)
+    assert full_depths.count(0) > 0.9 * len(full_depths)
+    closed_rate = num_reqs / (forward_ms[256] / 1e3 + outside_s)
+    assert rate > 1.03 * max(full_rate, closed_rate)

@@ -196,25 +196,26 @@ class DraftGate:
 
     def decide(self, num_reqs: int, mean_survival: list[float], depth: int, **costs) -> bool:
         """Whether the coming proposal drafts (``costs``: the step costs :meth:`gains`
-        takes). Where drafting ``depth`` positions does not pay but a shallower proposal,
-        whose graphs were timed (dynamic depth), does, the gate drafts that depth instead
-        (``depth_chosen``)."""
+        takes), and at which depth (``depth_chosen``): the one asked for, or, where that
+        does not pay, the shallower one whose graphs were timed (dynamic depth) that pays
+        most. Only then: the gains weigh one depth for every request, where sps admits the
+        likeliest drafts of each, deep ones included, so a shallower depth that merely
+        weighs better could verify less than the one planned."""
         self.depth_chosen = depth
         if num_reqs == 0:
             return self.drafting
         best, without = self.gains(num_reqs, mean_survival, depth, **costs)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
-        if not self.drafting:
-            shallower = {
-                d: self.gains(num_reqs, mean_survival, d, **costs)[0]
-                for d in self.draft_seconds
-                if d < depth
-            }
-            if shallower:
-                chosen = max(shallower, key=shallower.get)
-                if shallower[chosen] >= without * margin:
-                    self.drafting, self.depth_chosen, best = True, chosen, shallower[chosen]
+        shallower = {
+            d: self.gains(num_reqs, mean_survival, d, **costs)[0]
+            for d in self.draft_seconds
+            if d < depth and not self.drafting
+        }
+        if shallower:
+            chosen = max(shallower, key=shallower.get)
+            if shallower[chosen] >= without * margin:
+                self.drafting, self.depth_chosen, best = True, chosen, shallower[chosen]
         fastest_plain = num_reqs * float(self.sps_table[num_reqs])
         self.beats_any_plain_step = best >= fastest_plain * (1 + HYSTERESIS)
         if self.drafting:
