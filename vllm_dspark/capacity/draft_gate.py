@@ -207,15 +207,12 @@ class DraftGate:
         best, without = self.gains(num_reqs, mean_survival, depth, **costs)
         margin = 1 - HYSTERESIS if self.drafting else 1 + HYSTERESIS
         self.drafting = best >= without * margin
-        shallower = {
-            d: self.gains(num_reqs, mean_survival, d, **costs)[0]
-            for d in self.draft_seconds
-            if d < depth and not self.drafting
-        }
-        if shallower:
-            chosen = max(shallower, key=shallower.get)
-            if shallower[chosen] >= without * margin:
-                self.drafting, self.depth_chosen, best = True, chosen, shallower[chosen]
+        shallower = [d for d in self.draft_seconds if d < depth]
+        if not self.drafting and shallower:
+            rates = {d: self.gains(num_reqs, mean_survival, d, **costs)[0] for d in shallower}
+            chosen = max(rates, key=rates.get)
+            if rates[chosen] >= without * margin:
+                self.drafting, self.depth_chosen, best = True, chosen, rates[chosen]
         fastest_plain = num_reqs * float(self.sps_table[num_reqs])
         self.beats_any_plain_step = best >= fastest_plain * (1 + HYSTERESIS)
         if self.drafting:
