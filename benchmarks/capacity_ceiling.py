@@ -55,7 +55,11 @@ SWEEP_SOURCE = ("capacity_sweep.json", "qwen3-8b/confidence")
 
 def _row(results: Path, name: str, arm: str, concurrency: int) -> dict:
     rows = json.loads((results / name).read_text())["rows"]
-    return next(r for r in rows if r["arm"] == arm and r["concurrency"] == concurrency)
+    found = [r for r in rows if r["arm"] == arm and r["concurrency"] == concurrency]
+    if not found:
+        measured = sorted({r["concurrency"] for r in rows if r["arm"] == arm})
+        raise SystemExit(f"{name} has no {arm} row at {concurrency} requests; it has {measured}")
+    return found[0]
 
 
 def measured_costs(results: Path, concurrency: int) -> dict:
@@ -137,7 +141,7 @@ def sweep_nospec_tok_s(results: Path, concurrency: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", default="1,64,256")
+    parser.add_argument("--concurrency", default="1,64,256", help="of 1, 64, 256 (measured)")
     parser.add_argument("--batches", type=int, default=64)
     parser.add_argument("--rates", default=DEFAULT_RATES)
     parser.add_argument("--output-len", type=int, default=128)
