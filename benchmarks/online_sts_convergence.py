@@ -8,10 +8,13 @@ every position uncensored), the confidence head started at temperature 1
 on. It serves chunks of prompts (variants of held-out prompts 200-255, cut at varying
 lengths) at --concurrency until online STS has observed --steps steps, recording after
 each chunk the steps so far, the temperatures and the per-position ECE of that chunk's
-verifications (survival, 15 bins); then it serves the 200 held-out prompts of the demo
-as the evaluation window. A second engine without speculation serves the same 200
-prompts: greedy outputs must be identical. Both engines in --dtype (float32 by default,
-so that bf16 ties do not blur the comparison).
+verifications (survival, 15 bins); then, refits stopped so that the temperatures are the
+ones reached within --steps steps, it serves the 200 held-out prompts of the demo as the
+evaluation window. A second engine without speculation serves the same 200 prompts:
+greedy outputs must be identical; a prompt whose output differs is served again alone by
+that engine, which tells whether stock vLLM's own output for it depends on the batch.
+Both engines in --dtype (float32 by default, so that bf16 ties do not blur the
+comparison).
 """
 
 from __future__ import annotations
@@ -37,11 +40,19 @@ def _reset_calibration(worker) -> None:
 
 def _sts_state(worker) -> dict:
     speculator = worker.model_runner.speculator
+    sts = speculator.online_sts
     return {
-        "steps": speculator.online_sts.steps,
-        "refits": speculator.online_sts.refits,
+        "steps": sts.steps,
+        "refits": sts.refits,
+        # Refits come every refit_every steps: the temperatures in use were fitted here.
+        "last_refit_step": sts.refits * sts.refit_every,
         "temperatures": [round(t, 4) for t in speculator.temperatures.tolist()],
     }
+
+
+def _stop_refitting(worker) -> None:
+    """Keep the temperatures online STS has reached: no refit during the evaluation."""
+    worker.model_runner.speculator.online_sts.refit_every = sys.maxsize
 
 
 def warm_prompts(prompts: list[list[int]], count: int, seed: int) -> list[list[int]]:
@@ -140,14 +151,21 @@ def main() -> int:
         chunks.append({**llm.collective_rpc(_sts_state)[0], "chunk_ece": ece})
         print(json.dumps(chunks[-1]), flush=True)
     llm.collective_rpc(_reset_calibration)
+    llm.collective_rpc(_stop_refitting)
     online = serve(llm, evaluation, args.max_tokens)
     calibration = confidence_calibration(llm)
     final = llm.collective_rpc(_sts_state)[0]
     del llm
     gc.collect()
-    reference, reference_logprobs = serve(
-        make_llm(EMBEDDED_PAIR, None, args), evaluation, args.max_tokens, logprobs=True
-    )
+    reference_llm = make_llm(EMBEDDED_PAIR, None, args)
+    reference, reference_logprobs = serve(reference_llm, evaluation, args.max_tokens, logprobs=True)
+    found = divergences(online, reference, reference_logprobs)
+    for divergence in found:
+        # Without speculation too, served alone instead of among the batch: whether stock
+        # vLLM's own output for this prompt depends on the batch it runs in.
+        alone = serve(reference_llm, [evaluation[divergence["prompt"]]], args.max_tokens)[0]
+        divergence["reference_alone_equals_batched"] = alone == reference[divergence["prompt"]]
+        divergence["speculative_equals_reference_alone"] = alone == online[divergence["prompt"]]
 
     import torch
 
@@ -162,6 +180,9 @@ def main() -> int:
         "warm_chunks": chunks,
         "evaluation": {
             "steps_before": state["steps"],
+            # The temperatures evaluated (kept, no refit during the evaluation) were fitted
+            # at this step.
+            "last_refit_step": state["last_refit_step"],
             "steps_after": final["steps"],
             "temperatures": final["temperatures"],
             "ece": calibration["prefix"]["ece"],
@@ -179,7 +200,7 @@ def main() -> int:
         },
         "greedy_identical_prompts": identical,
         "greedy_identical": identical == len(evaluation),
-        "divergences": divergences(online, reference, reference_logprobs),
+        "divergences": found,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))

@@ -167,16 +167,21 @@ def dflash(record: dict) -> dict:
 
 def online_sts(record: dict) -> dict:
     evaluation = record["evaluation"]
-    within = evaluation["steps_before"] <= STS_STEPS
+    # The temperatures evaluated were fitted at the last refit (records before refits
+    # stopped for the evaluation: the steps before it, a bound).
+    fitted_at = evaluation.get("last_refit_step", evaluation["steps_before"])
+    within = fitted_at <= STS_STEPS
     return {
         "target": f"online STS from temperature 1: per-position ECE <= {ECE_LIMIT} within "
         f"{STS_STEPS} steps, greedy unchanged",
         "passes": within and evaluation["max_ece"] <= ECE_LIMIT and record["greedy_identical"],
         "measured": {
             "steps": evaluation["steps_before"],
+            "temperatures_fitted_at_step": fitted_at,
             "ece": evaluation["ece"],
             "max_ece": evaluation["max_ece"],
             "greedy_identical_prompts": record["greedy_identical_prompts"],
+            "divergences": record.get("divergences", []),
         },
     }
 
