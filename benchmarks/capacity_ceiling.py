@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -53,8 +54,13 @@ DEPTH_SOURCE = "depth_time.json"
 SWEEP_SOURCE = ("capacity_sweep.json", "qwen3-8b/confidence")
 
 
+@functools.cache
+def _rows(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["rows"]
+
+
 def _row(results: Path, name: str, arm: str, concurrency: int) -> dict:
-    rows = json.loads((results / name).read_text())["rows"]
+    rows = _rows(results / name)
     found = [r for r in rows if r["arm"] == arm and r["concurrency"] == concurrency]
     if not found:
         measured = sorted({r["concurrency"] for r in rows if r["arm"] == arm})
@@ -70,7 +76,7 @@ def measured_costs(results: Path, concurrency: int) -> dict:
             "target_forward"
         ]
     nospec = _row(results, *FORWARD_SOURCES[1], concurrency)
-    depths = json.loads((results / DEPTH_SOURCE).read_text())["rows"]
+    depths = _rows(results / DEPTH_SOURCE)
     draft = {r["depth"]: r["draft_ms"] for r in depths if r["concurrency"] == concurrency}
     return {"forward_ms": forward, "nospec_step_ms": nospec["step_ms_median"], "draft_ms": draft}
 
@@ -131,7 +137,7 @@ def end_to_end_ceiling(
 
 def sweep_nospec_tok_s(results: Path, concurrency: int) -> float:
     name, setup = SWEEP_SOURCE
-    rows = json.loads((results / name).read_text())["rows"]
+    rows = _rows(results / name)
     return next(
         r["tok_s"]
         for r in rows

@@ -44,8 +44,7 @@ def _sts_state(worker) -> dict:
     return {
         "steps": sts.steps,
         "refits": sts.refits,
-        # Refits come every refit_every steps: the temperatures in use were fitted here.
-        "last_refit_step": sts.refits * sts.refit_every,
+        "last_refit_step": sts.fitted_at_step,  # the temperatures in use were fitted here
         "temperatures": [round(t, 4) for t in speculator.temperatures.tolist()],
     }
 

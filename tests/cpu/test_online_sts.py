@@ -136,7 +136,7 @@ def test_the_speculator_feeds_its_verifications_and_temperatures(plugin_speculat
     for _ in range(2):
         speculator.observe_real_step(batch, torch.tensor([4, 1]))
     sts = speculator.online_sts
-    assert sts.steps == 2 and sts.refits == 1
+    assert sts.steps == 2 and sts.refits == 1 and sts.fitted_at_step == 2
     # Two rows a step, every position's survival known; the second step's counts decayed.
     assert sts.trials.sum(dim=1).tolist() == pytest.approx([2 + 2 * 0.999] * 3)
     assert sts.hits.sum(dim=1).tolist() == pytest.approx([1 + 0.999] * 3)

@@ -64,6 +64,7 @@ class OnlineSTS:
         self.prefix_sums = torch.zeros_like(self.trials)  # sum of s_{k-1} per cell
         self.steps = 0
         self.refits = 0
+        self.fitted_at_step = 0  # the step of the last refit (0: the prior)
         self.calibration_error = [float("nan")] * num_drafts
 
     def observe(
@@ -123,4 +124,5 @@ class OnlineSTS:
             fitted[k] = (1 - weight) * self.prior[k] + weight * GRID[best]
         temperatures.copy_(fitted.to(temperatures.dtype))
         self.refits += 1
+        self.fitted_at_step = self.steps
         return True
