@@ -157,3 +157,26 @@ def test_capacity_targets_are_checked_from_the_sweep_and_the_newest_breakdown(tm
     # Only the cached arm meets it: unknown (sps, which paid its prefill, misses).
     assert embedded["passes"] is None and embedded["prefill_cached_arms"] == ["sps-plain"]
     assert against_best["passes"] is None  # a pass the skipped prefill may have made
+
+
+@pytest.mark.parametrize(
+    ("alone_equals_batched", "speculative_equals_alone", "passes"),
+    [(False, True, True), (True, False, False), (False, False, False), (None, None, False)],
+)
+def test_a_greedy_divergence_passes_only_when_stock_batching_explains_it(
+    tmp_path, alone_equals_batched, speculative_equals_alone, passes
+):
+    divergence = {"prompt": 54, "position": 2, "top_two_gap": 9e-5}
+    if alone_equals_batched is not None:  # an older record, which did not serve it alone
+        divergence["reference_alone_equals_batched"] = alone_equals_batched
+        divergence["speculative_equals_reference_alone"] = speculative_equals_alone
+    evaluation = {"steps_before": 2036, "last_refit_step": 1792, "ece": [0.02], "max_ece": 0.02}
+    body = {"evaluation": evaluation, "greedy_identical": False, "greedy_identical_prompts": 199}
+    write(tmp_path, "online_sts.json", body | {"divergences": [divergence]})
+    sts = summarize(tmp_path, "depth-sts")[0][3]
+    assert sts["passes"] is passes
+    assert sts["measured"]["divergences_not_from_batching"] == (0 if passes else 1)
+    # Refits past 2,000 steps miss the target whatever the outputs.
+    late = evaluation | {"last_refit_step": 2048}
+    write(tmp_path, "online_sts.json", body | {"evaluation": late, "greedy_identical": True})
+    assert summarize(tmp_path, "depth-sts")[0][3]["passes"] is False
