@@ -160,9 +160,10 @@ class DSparkOptions(BaseModel):
         ),
     )
     """Benchmarks with dummy weights only: instead of a confidence head and real
-    verification, draw each draft's confidence c = sigmoid(logit(m_k) + N(0, 1)) around
-    the per-position median m_k of this list, and accept the draft with probability c
-    (given its prefix was accepted), so confidence is calibrated by construction."""
+    verification, draw each draft's confidence c = sigmoid(b_k + 2 N(0, 1)), its mean at
+    position k this list's k-th value (the conditional acceptance rate), and accept the
+    draft with probability c (given its prefix was accepted), so confidence is calibrated
+    by construction (:mod:`vllm_dspark.capacity.synthetic`)."""
 
     @field_validator("sps_curve", mode="before")
     @classmethod

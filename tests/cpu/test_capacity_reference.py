@@ -194,25 +194,30 @@ def test_confidence_modes_really_vary_the_verified_depth(mode):
 def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
     from vllm_dspark.capacity.allocation import conditional_confidence
     from vllm_dspark.capacity.synthetic import (
+        LOGIT_SPREAD,
         SyntheticConfidence,
         acceptance_draws,
         accepted_lengths,
     )
 
-    medians = [0.8, 0.6, 0.5, 0.4]
+    means = [0.8, 0.6, 0.5, 0.4]
     # 100,000 requests of distinct seeds, each drafting positions 11..14.
     seeds = torch.arange(100_000) * 7919 - 2**40
     first = torch.full((100_000,), 10)
     positions = first.unsqueeze(1) + torch.arange(1, 5)
-    logits = SyntheticConfidence(medians, torch.device("cpu")).draw(seeds, positions)
+    synthetic = SyntheticConfidence(means, torch.device("cpu"))
+    logits = synthetic.draw(seeds, positions)
     survival = prefix_survival(logits, torch.ones(4))
     confidence = conditional_confidence(survival)
     torch.testing.assert_close(confidence, torch.sigmoid(logits))
-    assert torch.sigmoid(logits).median(dim=0).values.tolist() == pytest.approx(medians, abs=0.01)
-    # The logit noise is a standard normal.
-    noise = logits - torch.logit(torch.tensor(medians))
-    assert noise.mean().item() == pytest.approx(0.0, abs=0.01)
-    assert noise.std().item() == pytest.approx(1.0, abs=0.01)
+    # The option's values are the mean confidences (not the medians, which the spread
+    # would pull away from the means).
+    assert torch.sigmoid(logits).mean(dim=0).tolist() == pytest.approx(means, abs=0.005)
+    assert torch.sigmoid(logits).median(dim=0).values[0].item() > 0.85
+    # The logit noise is normal with the module's spread.
+    noise = logits - synthetic.center
+    assert noise.mean().item() == pytest.approx(0.0, abs=0.02)
+    assert noise.std().item() == pytest.approx(LOGIT_SPREAD, rel=0.01)
     uniform = acceptance_draws(seeds, first, 4)
     lengths = accepted_lengths(confidence, torch.full((100_000,), 4), uniform)
     # Calibrated by construction: the accepted share of drafts reaching position k equals
@@ -226,6 +231,40 @@ def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
     assert accepted_lengths(sure, torch.tensor([0, 2, 4]), torch.zeros(3, 4)).tolist() == [0, 2, 4]
     gap = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     assert accepted_lengths(gap, torch.tensor([4]), torch.full((1, 4), 0.5)).tolist() == [1]
+
+
+def _auroc(scores: torch.Tensor, positives: torch.Tensor) -> float:
+    """P(score of a positive > score of a negative), ties counting half (Mann-Whitney)."""
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[scores.argsort()] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    n_pos = int(positives.sum())
+    n_neg = len(scores) - n_pos
+    return float((ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def test_synthetic_confidence_reproduces_the_profile_and_a_trained_heads_discrimination():
+    """On the device README's acceptance profile, fixed k=7 accepts 1 + sum(rates) tokens
+    per step, and the prefix survival ranks accepted prefixes above rejected ones about as
+    well as DSpark's raw head (AUROC 0.81-0.90)."""
+    from vllm_dspark.capacity.synthetic import (
+        SyntheticConfidence,
+        acceptance_draws,
+        accepted_lengths,
+    )
+
+    rates = [0.8, 0.62, 0.48, 0.37, 0.28, 0.21, 0.16]
+    conditional = [r / (rates[k - 1] if k else 1.0) for k, r in enumerate(rates)]
+    num = 200_000
+    seeds = torch.arange(num) * 104729 + 17
+    first = torch.full((num,), 40)
+    positions = first.unsqueeze(1) + torch.arange(1, 8)
+    logits = SyntheticConfidence(conditional, torch.device("cpu")).draw(seeds, positions)
+    survival = prefix_survival(logits, torch.ones(7))
+    uniform = acceptance_draws(seeds, first, 7)
+    lengths = accepted_lengths(torch.sigmoid(logits), torch.full((num,), 7), uniform)
+    assert 1 + lengths.double().mean().item() == pytest.approx(1 + sum(rates), abs=0.02)
+    aurocs = [_auroc(survival[:, k], lengths > k) for k in range(7)]
+    assert min(aurocs) > 0.8 and max(aurocs) < 0.9, aurocs
 
 
 def test_synthetic_draws_are_common_to_every_batch_layout():
