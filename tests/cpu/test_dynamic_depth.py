@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, budget_capacity
+from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, budget_capacity, prefix_survival
 from vllm_dspark.capacity.physical_depth import WINDOW_STEPS
 from vllm_dspark.speculator import DFlashPluginSpeculator, DSparkPluginSpeculator
 
@@ -375,62 +375,116 @@ def test_under_load_the_gate_drafts_a_shallower_depth_that_pays(sps_speculator):
     assert not speculator.plan_proposal(16, K) and speculator.draft_depth == K
 
 
+# The Qwen3-8B shape's measured costs at 256 requests (H200): the target's forward at 256
+# to 2,048 tokens, the draft graph per depth 1..7 (depth_time.json), and 2 ms a step
+# outside the forward.
+LOAD = 256
+FORWARD_MS = {256: 8.98, 512: 15.06, 1024: 24.6, 2048: 44.3}
+DRAFT_MS = [2.81, 3.52, 4.17, 4.67, 5.31, 6.41, 6.48]
+OUTSIDE_S = 2e-3
+SPS_AT_LOAD = {
+    "dspark_capacity": "sps",
+    "dspark_sps_curve": [[tokens, 1000.0 / ms] for tokens, ms in FORWARD_MS.items()],
+    "dspark_step_overhead_ms": OUTSIDE_S * 1e3,
+}
+CLOSED_RATE = LOAD / (FORWARD_MS[LOAD] / 1e3 + OUTSIDE_S)  # steps without drafts
+
+
+def at_load(plugin_speculator, dynamic: bool):
+    """An sps speculator for LOAD requests; ``dynamic``: dynamic depth, every depth's graph
+    timed (as at start-up), else the full depth's only."""
+    if not dynamic:
+        speculator = plugin_speculator(K, max_num_seqs=LOAD, **SPS_AT_LOAD)
+        speculator.set_draft_cost({K: [(1, DRAFT_MS[-1]), (LOAD, DRAFT_MS[-1])]})
+        return speculator
+    speculator = plugin_speculator(K, max_num_seqs=LOAD, dspark_dynamic_depth=True, **SPS_AT_LOAD)
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
+    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
+    speculator.set_draft_cost({d: [(1, ms), (LOAD, ms)] for d, ms in enumerate(DRAFT_MS, 1)})
+    return speculator
+
+
+def closed_loop(speculator, steps: int, survivals) -> tuple[float, list[int]]:
+    """The real control path over ``steps`` decode steps of LOAD requests, each proposal's
+    [LOAD, K] survivals ``survivals(step)`` (calibrated: a verified draft is accepted with
+    its survival's chance, so the expected tokens are the verified survivals' sum).
+    Returns expected tokens per second and each proposal's depth (0: skipped)."""
+    table = speculator.sps_table_host
+    slots = torch.arange(LOAD)
+    tokens = seconds = 0.0
+    depths = []
+    survival = survivals(0)
+    for step in range(steps):
+        budget = speculator.admission_budget(LOAD)
+        tokens += LOAD
+        if budget:
+            capacity = speculator.verify_capacity(slots, budget)
+            speculator.record_admission([f"r{i}" for i in slots], budget, True, capacity)
+            verified = torch.arange(K) < capacity[:, None]
+            tokens += float(survival[verified].sum())
+        speculator._plan_depth(LOAD)
+        drafting = speculator.plan_proposal(LOAD, speculator.draft_depth)
+        speculator.drafted_last = drafting
+        depth = speculator.draft_depth if drafting else 0
+        draft_s = DRAFT_MS[depth - 1] / 1e3 if depth else 0.0
+        seconds += 1 / float(table[LOAD + budget]) + OUTSIDE_S + draft_s
+        survival = survivals(step + 1)
+        if drafting:
+            computed = survival.clone()
+            computed[:, depth:] = UNCOMPUTED_SURVIVAL
+            speculator.slot_survival[slots] = computed
+            speculator.record_proposal(computed, slots)
+        depths.append(depth)
+    return tokens / seconds, depths
+
+
 def test_at_256_requests_sps_with_dynamic_depth_drafts_shallow_instead_of_closing(
     plugin_speculator,
 ):
-    """The real control path in closed loop on the Qwen3-8B shape's measured costs at 256
-    requests (H200: the target's forward at 256 to 2,048 tokens, the draft graph per depth,
-    depth_time.json), 2 ms a step outside the forward. A full K=7 proposal does not pay
-    there: timed at full depth only, the gate closes. Dynamic depth starts at K too; its
-    gate must draft a shallower depth that pays instead, physical depth follow, and the
-    steps beat a closed gate's."""
-    num_reqs, outside_s = 256, 2e-3
-    forward_ms = {256: 8.98, 512: 15.06, 1024: 24.6, 2048: 44.3}
-    draft_ms = [2.81, 3.52, 4.17, 4.67, 5.31, 6.41, 6.48]  # depth 1..7
-    curve = [[tokens, 1000.0 / ms] for tokens, ms in forward_ms.items()]
-    sps = {"dspark_capacity": "sps", "dspark_sps_curve": curve}
-    sps["dspark_step_overhead_ms"] = outside_s * 1e3
-    confidence = torch.linspace(0.5, 0.95, num_reqs)[:, None].repeat(1, K)
+    """A full K=7 proposal does not pay at 256 requests on the Qwen3-8B shape: timed at
+    full depth only, the gate closes. Dynamic depth starts at K too; its gate must draft a
+    shallower depth that pays instead, physical depth follow, and the steps beat a closed
+    gate's."""
+    confidence = torch.linspace(0.5, 0.95, LOAD)[:, None].repeat(1, K)
     survival = torch.cumprod(confidence, dim=1)
-    slots = torch.arange(num_reqs)
-
-    def closed_loop(speculator, steps: int) -> tuple[float, list[int]]:
-        """Expected tokens per second over ``steps`` steps, and each proposal's depth."""
-        table = speculator.sps_table_host
-        tokens = seconds = 0.0
-        depths = []
-        for _ in range(steps):
-            budget = speculator.admission_budget(num_reqs)
-            tokens += num_reqs
-            if budget:
-                capacity = speculator.verify_capacity(slots, budget)
-                speculator.record_admission([f"r{i}" for i in slots], budget, True, capacity)
-                verified = torch.arange(K) < capacity[:, None]  # expected accepted: the
-                tokens += float(survival[verified].sum())  # verified drafts' survivals
-            speculator._plan_depth(num_reqs)
-            drafting = speculator.plan_proposal(num_reqs, speculator.draft_depth)
-            speculator.drafted_last = drafting
-            depth = speculator.draft_depth if drafting else 0
-            draft_s = draft_ms[depth - 1] / 1e3 if depth else 0.0
-            seconds += 1 / float(table[num_reqs + budget]) + outside_s + draft_s
-            if drafting:
-                computed = survival.clone()
-                computed[:, depth:] = UNCOMPUTED_SURVIVAL
-                speculator.slot_survival[slots] = computed
-                speculator.record_proposal(computed, slots)
-            depths.append(depth)
-        return tokens / seconds, depths
-
-    dynamic = plugin_speculator(K, max_num_seqs=num_reqs, dspark_dynamic_depth=True, **sps)
-    dynamic._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
-    dynamic._use_depth = lambda depth: setattr(dynamic, "draft_depth", depth)
-    dynamic.set_draft_cost({d: [(1, ms), (num_reqs, ms)] for d, ms in enumerate(draft_ms, 1)})
-    rate, depths = closed_loop(dynamic, 20 * WINDOW_STEPS)
+    dynamic = at_load(plugin_speculator, dynamic=True)
+    rate, depths = closed_loop(dynamic, 20 * WINDOW_STEPS, lambda step: survival)
     assert dynamic.proposals_skipped == 0 and max(depths[2:]) <= 4
     # Timed at full depth only (no depth graphs): closed but for its probes.
-    full = plugin_speculator(K, max_num_seqs=num_reqs, **sps)
-    full.set_draft_cost({K: [(1, draft_ms[-1]), (num_reqs, draft_ms[-1])]})
-    full_rate, full_depths = closed_loop(full, 20 * WINDOW_STEPS)
+    full_rate, full_depths = closed_loop(
+        at_load(plugin_speculator, dynamic=False), 20 * WINDOW_STEPS, lambda step: survival
+    )
     assert full_depths.count(0) > 0.9 * len(full_depths)
-    closed_rate = num_reqs / (forward_ms[256] / 1e3 + outside_s)
-    assert rate > 1.03 * max(full_rate, closed_rate)
+    assert rate > 1.03 * max(full_rate, CLOSED_RATE)
+
+
+def test_at_256_requests_physical_depth_drops_the_positions_that_do_not_pay(plugin_speculator):
+    """Confidence that varies between requests as a trained head's does (the calibrated
+    synthetic's spread on the device README's profile, fresh draws every step): some
+    request almost always admits all 7 drafts, so the largest admission keeps the depth at
+    7, where depths 3-4 pay more. The depth that pays (sps's objective with each depth's
+    proposal time) must bring the depth down there and win over the largest-admission
+    rule."""
+    from vllm_dspark.capacity.synthetic import SyntheticConfidence
+
+    rates = [0.8, 0.62, 0.48, 0.37, 0.28, 0.21, 0.16]
+    conditional = [r / (rates[k - 1] if k else 1.0) for k, r in enumerate(rates)]
+    synthetic = SyntheticConfidence(conditional, torch.device("cpu"))
+    seeds = torch.arange(LOAD) * 7919 + 5
+
+    def survivals(step: int) -> torch.Tensor:
+        positions = 100 + 8 * step + torch.arange(1, K + 1).expand(LOAD, K)
+        return prefix_survival(synthetic.draw(seeds, positions), torch.ones(K))
+
+    steps = 20 * WINDOW_STEPS
+    paying = at_load(plugin_speculator, dynamic=True)
+    rate, depths = closed_loop(paying, steps, survivals)
+    settled = depths[steps // 4 :]
+    assert 3 <= sum(settled) / len(settled) <= 5 and paying.proposals_skipped == 0
+    largest = at_load(plugin_speculator, dynamic=True)
+    largest.depth_snapshot = None  # the largest admission rule of threshold and budget
+    largest_rate, largest_depths = closed_loop(largest, steps, survivals)
+    # It keeps computing 7 positions (its gate falls back to 2 now and then, where 7 does
+    # not pay): 1.09x a closed gate, against 1.15x.
+    assert largest.physical_depth.depth == K and largest_depths[steps // 4 :].count(K) > 32
+    assert rate > 1.04 * largest_rate and rate > 1.12 * CLOSED_RATE

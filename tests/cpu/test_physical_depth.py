@@ -26,6 +26,45 @@ def test_depth_follows_the_largest_recent_admission_and_probes_when_saturated():
     assert depth.changes == 4
 
 
+def test_a_cost_reading_replaces_the_largest_admission():
+    """sps: the depth that pays best decides, although some request admits all K; no
+    reading (None) falls back to the largest admission."""
+    depth = PhysicalDepth(K)
+    readings = []
+
+    def paying() -> int:
+        readings.append(depth.depth)
+        return 4
+
+    assert [depth.observe(64, K, paying) for _ in range(WINDOW_STEPS)][-1] == 4
+    assert readings == [K]  # read once, at the window's end
+    # 4 is the limit it was allowed: after PROBE_AFTER such windows, one deeper.
+    for _ in range(PROBE_AFTER - 1):
+        assert [depth.observe(64, K, paying) for _ in range(WINDOW_STEPS)][-1] == 4
+    assert [depth.observe(64, K, paying) for _ in range(WINDOW_STEPS)][-1] == 5
+    # At 5, 4 pays best: back to 4 (the larger of the last two readings, both 4).
+    assert [depth.observe(64, K, paying) for _ in range(WINDOW_STEPS)][-1] == 4
+    assert [depth.observe(64, 2, lambda: None) for _ in range(WINDOW_STEPS)][-1] == 4
+    assert [depth.observe(64, 2, lambda: None) for _ in range(WINDOW_STEPS)][-1] == 2
+
+
+def test_a_snapshot_is_taken_once_per_read():
+    import torch
+
+    from vllm_dspark.capacity.stale_record import StaleSnapshot
+
+    snapshot = StaleSnapshot(8, K, torch.device("cpu"))
+    assert snapshot.read() is None
+    first = torch.rand(3, K)
+    snapshot.take(first)
+    snapshot.take(torch.rand(5, K))  # one waits: kept, not overwritten
+    torch.testing.assert_close(snapshot.read(), first)
+    assert snapshot.read() is None
+    second = torch.rand(5, K)
+    snapshot.take(second)
+    torch.testing.assert_close(snapshot.read(), second)
+
+
 def test_a_sharply_shrinking_batch_restores_full_depth():
     depth = PhysicalDepth(K)
     window(depth, 3, num_reqs=200)

@@ -120,16 +120,16 @@ def threshold_count(survival: torch.Tensor, threshold: float) -> torch.Tensor:
     return (survival >= threshold).sum(dim=(-2, -1))
 
 
-def sps_best_count(
+def sps_rates(
     survival: torch.Tensor,
     sps_table: torch.Tensor,
     fixed_seconds: float = 0.0,
     per_draft_seconds: float = 0.0,
 ) -> torch.Tensor:
-    """The admission count n in 0..R*K maximising (R + sum of the n best survivals) /
-    (1 / SPS(R + n) + ``fixed_seconds`` + n ``per_draft_seconds``): the budget ``sps``
-    asks for, with the step's time outside the curve's forward (:mod:`step_overhead`).
-    ``sps_table[T]`` covers T up to R * (1 + K). [..., R, K] -> [...] int64."""
+    """Expected tokens per second of admitting the n best slots, n = 0..R*K: (R + sum of
+    the n best survivals) / (1 / SPS(R + n) + ``fixed_seconds`` + n ``per_draft_seconds``),
+    with the step's time outside the curve's forward (:mod:`step_overhead`).
+    ``sps_table[T]`` covers T up to R * (1 + K). [..., R, K] -> [..., R*K + 1]."""
     num_reqs = survival.shape[-2]
     ordered = survival.flatten(-2).sort(dim=-1, descending=True).values
     zero = ordered.new_zeros(ordered.shape[:-1] + (1,))
@@ -137,7 +137,18 @@ def sps_best_count(
     counts = torch.arange(expected.shape[-1], device=survival.device)
     step_seconds = sps_table[num_reqs + counts].reciprocal() + fixed_seconds
     step_seconds = step_seconds + per_draft_seconds * counts
-    return (expected / step_seconds).argmax(dim=-1)
+    return expected / step_seconds
+
+
+def sps_best_count(
+    survival: torch.Tensor,
+    sps_table: torch.Tensor,
+    fixed_seconds: float = 0.0,
+    per_draft_seconds: float = 0.0,
+) -> torch.Tensor:
+    """The admission count n in 0..R*K of most expected tokens per second
+    (:func:`sps_rates`): the budget ``sps`` asks for. [..., R, K] -> [...] int64."""
+    return sps_rates(survival, sps_table, fixed_seconds, per_draft_seconds).argmax(dim=-1)
 
 
 def masked_forward_table(sps_table: torch.Tensor, num_reqs: int, num_drafts: int) -> torch.Tensor:

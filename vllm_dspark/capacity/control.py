@@ -28,11 +28,13 @@ from vllm.logger import init_logger
 
 from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth, position_counts
 from vllm_dspark.capacity.allocation import (
+    UNCOMPUTED_SURVIVAL,
     admission_budget,
     budget_capacity,
     masked_forward_table,
     padded_to_graph_sizes,
     sps_best_count,
+    sps_rates,
     sps_table_from_curve,
     threshold_count,
     verification_counts,
@@ -47,7 +49,7 @@ from vllm_dspark.capacity.draft_gate import (
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
-from vllm_dspark.capacity.stale_record import StalePerRequest
+from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshot
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.triton_path import use_triton
@@ -164,9 +166,12 @@ class CapacityControl:
         # dynamic_depth: sequential positions the drafter computes, from recent admissions
         # (acceptance: the depth it will verify, planned before each proposal).
         self.physical_depth = None
+        self.depth_snapshot = None  # sps: a proposal's survivals, for the depth that pays
         if options.dynamic_depth and self.acceptance is None:
             self.physical_depth = PhysicalDepth(num_drafts)
             self.stale_max_admitted = StalePerRequest(device, float(num_drafts))
+            if options.capacity == "sps":
+                self.depth_snapshot = StaleSnapshot(self.max_num_reqs, num_drafts, device)
         # k_r of the step being prepared, copied to the host for vLLM's statistics
         # (patches/admission_metrics.py); a few slots, as steps overlap.
         self.admitted_host = torch.zeros(
@@ -506,7 +511,7 @@ class CapacityControl:
             # the gate, which weighs depths up to that one, would then stay closed.)
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(capacity.max(), 1)
-            self.physical_depth.observe(num_reqs, max_admitted)
+            self.physical_depth.observe(num_reqs, max_admitted, self._paying_depth)
 
     def record_full_admission(self, num_reqs: int) -> None:
         """After a decode step that admitted every draft: it runs vLLM's uniform layout
@@ -517,7 +522,32 @@ class CapacityControl:
         if self.physical_depth is not None:
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(self.all_drafts, 1)
-            self.physical_depth.observe(num_reqs, max_admitted)
+            self.physical_depth.observe(num_reqs, max_admitted, self._paying_depth)
+
+    def _paying_depth(self) -> int | None:
+        """sps with dynamic depth, at a window's end: the depth d' <= d of most expected
+        tokens per second on a recent proposal's survivals, each depth admitting its best
+        slots by sps's objective with its own proposal time (:mod:`physical_depth`). None
+        without a snapshot, a curve or per-depth draft timings."""
+        if self.depth_snapshot is None:
+            return None
+        survival = self.depth_snapshot.read()
+        if survival is None or self.sps_table_host is None or len(self.draft_tables) < 2:
+            return None
+        num_reqs = survival.shape[0]
+        depths = torch.arange(1, self.physical_depth.depth + 1)
+        computed = torch.arange(survival.shape[1]) < depths[:, None]  # [D, K]
+        survival = torch.where(computed[:, None, :], survival.double(), UNCOMPUTED_SURVIVAL)
+        fixed = per_draft = 0.0
+        if self.step_overhead is not None and self.step_overhead.ready:
+            fixed = self.step_overhead.per_step_seconds(num_reqs)
+            per_draft = self.step_overhead.per_draft_seconds
+        draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
+        table = self.sps_table_host
+        if self.masked_step_drafts:
+            table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
+        rates = sps_rates(survival, table, (fixed + draft)[:, None], per_draft)
+        return int(rates.amax(dim=-1).argmax()) + 1
 
     def fold_fingerprint(self, admitted: torch.Tensor) -> None:
         """h = (h * M + sum_r w_r k_r + R) mod 2^31 - 1, on the device (no host sync);
@@ -585,6 +615,8 @@ class CapacityControl:
             self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
+        if self.depth_snapshot is not None:
+            self.depth_snapshot.take(survival)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """The drafter's graph managers, listed without plain steps' Dynamic SD table
