@@ -48,21 +48,19 @@ def test_a_cost_reading_replaces_the_largest_admission():
     assert [depth.observe(64, 2, lambda: None) for _ in range(WINDOW_STEPS)][-1] == 2
 
 
-def test_a_snapshot_is_taken_once_per_read():
+def test_snapshots_are_read_two_proposals_later():
     import torch
 
-    from vllm_dspark.capacity.stale_record import StaleSnapshot
+    from vllm_dspark.capacity.stale_record import StaleSnapshots
 
-    snapshot = StaleSnapshot(8, K, torch.device("cpu"))
-    assert snapshot.read() is None
-    first = torch.rand(3, K)
-    snapshot.take(first)
-    snapshot.take(torch.rand(5, K))  # one waits: kept, not overwritten
-    torch.testing.assert_close(snapshot.read(), first)
-    assert snapshot.read() is None
-    second = torch.rand(5, K)
-    snapshot.take(second)
-    torch.testing.assert_close(snapshot.read(), second)
+    snapshots = StaleSnapshots(8, K, torch.device("cpu"))
+    first, second, fourth = torch.rand(3, K), torch.rand(5, K), torch.rand(2, K)
+    assert snapshots.exchange(first) is None
+    assert snapshots.exchange(second) is None
+    torch.testing.assert_close(snapshots.exchange(None), first)  # the third takes none
+    torch.testing.assert_close(snapshots.exchange(fourth), second)
+    assert snapshots.exchange(None) is None  # the third's, none
+    torch.testing.assert_close(snapshots.exchange(None), fourth)
 
 
 def test_a_sharply_shrinking_batch_restores_full_depth():

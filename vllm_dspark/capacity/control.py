@@ -40,6 +40,7 @@ from vllm_dspark.capacity.allocation import (
     verification_counts,
 )
 from vllm_dspark.capacity.draft_gate import (
+    SURVIVAL_MEMORY,
     DraftGate,
     SlowestRequest,
     SurvivalAverage,
@@ -49,7 +50,7 @@ from vllm_dspark.capacity.draft_gate import (
 from vllm_dspark.capacity.physical_depth import PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
-from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshot
+from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshots
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.triton_path import use_triton
@@ -166,12 +167,16 @@ class CapacityControl:
         # dynamic_depth: sequential positions the drafter computes, from recent admissions
         # (acceptance: the depth it will verify, planned before each proposal).
         self.physical_depth = None
-        self.depth_snapshot = None  # sps: a proposal's survivals, for the depth that pays
+        # sps: proposals' survivals, for the depth that pays (physical_depth.py), and per
+        # depth the sum of their best expected tokens per second over the current window.
+        self.depth_snapshots = None
+        self.depth_rate_sums = np.zeros(num_drafts)
+        self.depth_rows_taken = self.depth_rates_folded = 0
         if options.dynamic_depth and self.acceptance is None:
             self.physical_depth = PhysicalDepth(num_drafts)
             self.stale_max_admitted = StalePerRequest(device, float(num_drafts))
             if options.capacity == "sps":
-                self.depth_snapshot = StaleSnapshot(self.max_num_reqs, num_drafts, device)
+                self.depth_snapshots = StaleSnapshots(self.max_num_reqs, num_drafts, device)
         # k_r of the step being prepared, copied to the host for vLLM's statistics
         # (patches/admission_metrics.py); a few slots, as steps overlap.
         self.admitted_host = torch.zeros(
@@ -525,18 +530,27 @@ class CapacityControl:
             self.physical_depth.observe(num_reqs, max_admitted, self._paying_depth)
 
     def _paying_depth(self) -> int | None:
-        """sps with dynamic depth, at a window's end: the depth d' <= d of most expected
-        tokens per second on a recent proposal's survivals, each depth admitting its best
-        slots by sps's objective with its own proposal time (:mod:`physical_depth`). None
-        without a snapshot, a curve or per-depth draft timings."""
-        if self.depth_snapshot is None:
+        """sps with dynamic depth, at a window's end: the depth d' <= d whose proposals
+        would have brought the most expected tokens per second, summed over the window's
+        snapshots (:meth:`_fold_depth_rates`). None without any."""
+        if not self.depth_rates_folded:
             return None
-        survival = self.depth_snapshot.read()
-        if survival is None or self.sps_table_host is None or len(self.draft_tables) < 2:
-            return None
-        num_reqs = survival.shape[0]
-        depths = torch.arange(1, self.physical_depth.depth + 1)
-        computed = torch.arange(survival.shape[1]) < depths[:, None]  # [D, K]
+        depth = self.physical_depth.depth
+        paying = int(np.argmax(self.depth_rate_sums[:depth])) + 1
+        self.depth_rate_sums[:] = 0.0
+        self.depth_rows_taken = self.depth_rates_folded = 0
+        return paying
+
+    def _fold_depth_rates(self, survival: torch.Tensor) -> None:
+        """One proposal's survivals [R, K] (a host snapshot): for each depth d' = 1..K, the
+        best admission among its first d' positions by sps's objective with that depth's
+        proposal time added, its expected tokens per second summed into the window's. Only
+        with a curve and per-depth draft timings (else the largest admission reads)."""
+        if self.sps_table_host is None or len(self.draft_tables) < 2:
+            return
+        num_reqs, num_drafts = survival.shape
+        depths = torch.arange(1, num_drafts + 1)
+        computed = torch.arange(num_drafts) < depths[:, None]  # [D, K]
         survival = torch.where(computed[:, None, :], survival.double(), UNCOMPUTED_SURVIVAL)
         fixed = per_draft = 0.0
         if self.step_overhead is not None and self.step_overhead.ready:
@@ -547,7 +561,8 @@ class CapacityControl:
         if self.masked_step_drafts:
             table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
         rates = sps_rates(survival, table, (fixed + draft)[:, None], per_draft)
-        return int(rates.amax(dim=-1).argmax()) + 1
+        self.depth_rate_sums += rates.amax(dim=-1).numpy()
+        self.depth_rates_folded += 1
 
     def fold_fingerprint(self, admitted: torch.Tensor) -> None:
         """h = (h * M + sum_r w_r k_r + R) mod 2^31 - 1, on the device (no host sync);
@@ -615,8 +630,14 @@ class CapacityControl:
             self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
-        if self.depth_snapshot is not None:
-            self.depth_snapshot.take(survival)
+        if self.depth_snapshots is not None:
+            # Snapshots of about SURVIVAL_MEMORY requests' proposals per window: one at
+            # large batches, every proposal of a window at one request.
+            wanted = self.depth_rows_taken < SURVIVAL_MEMORY
+            self.depth_rows_taken += num_reqs if wanted else 0
+            earlier = self.depth_snapshots.exchange(survival if wanted else None)
+            if earlier is not None:
+                self._fold_depth_rates(earlier)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """The drafter's graph managers, listed without plain steps' Dynamic SD table

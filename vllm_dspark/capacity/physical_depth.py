@@ -12,18 +12,22 @@ draft was really drawn from it).
 
 d follows a reading taken once per window of steps:
 
-- with ``sps`` and draft graphs timed per depth, the depth that pays best: on one
-  proposal's survivals of the window (read on the host a step or more late,
-  :class:`~vllm_dspark.capacity.stale_record.StaleSnapshot`), for each depth d' <= d, the
-  best admission among the first d' positions by ``sps``'s own objective with that
-  depth's proposal time added (:func:`~vllm_dspark.capacity.allocation.sps_rates`), and
-  the d' of most expected tokens per second. Where confidence varies between requests,
-  some request almost always admits all K drafts, so the largest admission (below) keeps
-  d at K although the positions past 3 or 4 do not pay for their own drafting: on the
-  Qwen3-8B shape at 256 requests, calibrated synthetic confidence of a trained head's
-  spread, the control path in closed loop on the H200's step costs stayed at d = 7 for
-  1.09x a step without drafts; reading the depth that pays, it settles at 3 to 5 for
-  1.15x (``tests/cpu/test_dynamic_depth.py``, a CPU model, not a GPU measurement);
+- with ``sps`` and draft graphs timed per depth, the depth that pays best: on proposals'
+  survivals of about the last window (read on the host two proposals late,
+  :class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`; one proposal per window at
+  64 requests or more, every one at one request), for each depth d' <= d the best
+  admission among the first d' positions by ``sps``'s own objective with that depth's
+  proposal time added (:func:`~vllm_dspark.capacity.allocation.sps_rates`), summed over
+  the snapshots, and the d' of most expected tokens per second. One proposal of one
+  request is too noisy a reading: its drafts could look not worth a deep proposal where
+  on average they are (at one request a deeper proposal costs about 0.05 ms a position).
+  Where confidence varies between requests, some request almost always admits all K
+  drafts, so the largest admission (below) keeps d at K although the positions past 3
+  or 4 do not pay for their own drafting: on the Qwen3-8B shape at 256 requests,
+  calibrated synthetic confidence of a trained head's spread, the control path in
+  closed loop on the H200's step costs stayed at d = 7 for 1.09x a step without drafts;
+  reading the depth that pays, it settles at 3 to 5 for 1.15x
+  (``tests/cpu/test_dynamic_depth.py``, a CPU model, not a GPU measurement);
 - otherwise (threshold, budget, or no per-depth timings) the largest per-request
   admission of the window's compacted steps (read one step late, :mod:`stale_record`):
   the drafts computed that nobody verified.
@@ -36,7 +40,7 @@ After each window:
 - a batch that shrank to under half the size it had when d last changed (load is
   leaving) puts d back to K at once.
 
-Host-side decisions on values every rank reads alike (the admissions and the snapshot
+Host-side decisions on values every rank reads alike (the admissions and the snapshots
 come from identical survivals and budgets, and the reading is the same arithmetic on
 the same host values): every tensor-parallel rank computes the same d.
 """

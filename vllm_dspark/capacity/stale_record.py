@@ -15,7 +15,7 @@ value when a copy was late would let ranks pick different batch sizes and hang).
 
 The statistic is read per request, so a batch that grew or shrank since gets a budget in
 proportion to its size. A record holds one value or a vector (one per draft position).
-:class:`StaleSnapshot` reads a whole proposal's survivals the same way, now and then.
+:class:`StaleSnapshots` reads whole proposals' survivals the same way.
 """
 
 from __future__ import annotations
@@ -63,32 +63,33 @@ class StalePerRequest:
         return self._per_request
 
 
-class StaleSnapshot:
-    """One proposal's [R, K] survivals, copied to pinned host memory without a sync and read
-    at a later step, after the copy's event (work already done, as for
-    :class:`StalePerRequest`). One snapshot at a time: a proposal's is taken only once the
-    last was read, so the one read is the first proposal's after the previous read."""
+class StaleSnapshots:
+    """Proposals' [R, K] survivals, copied to pinned host memory without a sync and read two
+    proposals later, as :class:`StalePerRequest` reads its records: that proposal's step
+    finished before the host plans this one, so the wait on its event is for work done."""
 
     def __init__(self, max_num_reqs: int, num_drafts: int, device: torch.device):
         cuda = device.type == "cuda"
-        self._buffer = torch.zeros(max_num_reqs, num_drafts, dtype=torch.float32, pin_memory=cuda)
-        self._event = torch.cuda.Event() if cuda else None
-        self._rows: int | None = None  # the rows of the snapshot waiting to be read
+        shape = (2, max_num_reqs, num_drafts)
+        self._buffers = torch.zeros(shape, dtype=torch.float32, pin_memory=cuda)
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._rows: list[int | None] = [None, None]  # per slot: a snapshot's rows, unread
+        self.proposals = 0
 
-    def take(self, survival: torch.Tensor) -> None:
-        """After a real proposal: its survivals, unless a snapshot waits to be read."""
-        if self._rows is not None:
-            return
-        self._rows = survival.shape[0]
-        self._buffer[: self._rows].copy_(survival, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
-
-    def read(self) -> torch.Tensor | None:
-        """The waiting snapshot (a CPU tensor), or None; frees the slot for the next."""
-        if self._rows is None:
-            return None
-        if self._event is not None:
-            self._event.synchronize()
-        snapshot, self._rows = self._buffer[: self._rows].clone(), None
-        return snapshot
+    def exchange(self, survival: torch.Tensor | None) -> torch.Tensor | None:
+        """At a real proposal: the snapshot taken two proposals ago, if one was (a CPU
+        tensor); then this proposal's ``survival`` is taken, if given."""
+        slot = self.proposals % 2
+        self.proposals += 1
+        earlier, rows = None, self._rows[slot]
+        if rows is not None:
+            if self._events[slot] is not None:
+                self._events[slot].synchronize()
+            earlier = self._buffers[slot, :rows].clone()
+        self._rows[slot] = None
+        if survival is not None:
+            self._rows[slot] = survival.shape[0]
+            self._buffers[slot, : survival.shape[0]].copy_(survival, non_blocking=True)
+            if self._events[slot] is not None:
+                self._events[slot].record()
+        return earlier
