@@ -240,3 +240,30 @@ def test_a_short_doubtful_passage_at_one_request_does_not_close_the_gate(plugin_
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
         1, doubtful_mean, NUM_DRAFTS, overhead_s=2e-3
     )
+
+
+def test_survivals_by_slot_value_the_likely_drafts_the_means_hide():
+    """Half the requests draft well and half badly: the mean survivals say drafting costs
+    more than it gains at 256 requests, while admitting only the good half's drafts (as
+    sps does) pays. Read from a proposal of fewer or more rows, the survivals are taken
+    in turn."""
+    from vllm_dspark.capacity.allocation import sps_rates
+
+    gate = DraftGate(sps_table(0.05, 10.0), {K: draft_seconds_table([(1, 1.0), (256, 2.0)], R_MAX)})
+    good = torch.cumprod(torch.full((K,), 0.95), dim=0)
+    bad = torch.cumprod(torch.full((K,), 0.02), dim=0)
+    survival = torch.stack([good, bad] * 128)
+    mean = survival.mean(dim=0).tolist()
+    assert not gate.decide(256, mean, K)
+    assert gate.decide(256, mean, K, survival=survival)
+    on, off = gate.gains(256, mean, K, survival=survival)
+    expected = sps_rates(survival.double(), gate.sps_table, 2e-3).max().item()
+    assert on == pytest.approx(expected) and on > 1.1 * off
+    # A snapshot of 64 rows stands for 256 requests drafting alike (its rows in turn).
+    assert gate.gains(256, mean, K, survival=survival[:64])[0] == pytest.approx(on)
+    # The depth drafted bounds the slots: at depth 1 only the first position counts.
+    shallow = survival.clone()
+    shallow[:, 1:] = -1.0
+    at_one = sps_rates(shallow.double(), gate.sps_table, 2e-3).max().item()
+    gate.draft_seconds[1] = gate.draft_seconds[K]
+    assert gate.gains(256, mean, 1, survival=survival)[0] == pytest.approx(at_one)

@@ -475,15 +475,15 @@ def test_at_256_requests_sps_with_dynamic_depth_drafts_shallow_instead_of_closin
     plugin_speculator,
 ):
     """A full K=7 proposal does not pay at 256 requests on the Qwen3-8B shape: timed at
-    full depth only, the gate closes. Dynamic depth starts at K too; its gate must draft a
-    shallower depth that pays instead, physical depth follow, and the steps beat a closed
-    gate's."""
+    full depth only, the gate closes. Dynamic depth starts at K too; it must draft
+    shallower depths that pay instead (from its first window on) and beat a closed
+    gate's steps."""
     confidence = torch.linspace(0.5, 0.95, 256)[:, None].repeat(1, K)
     survival = torch.cumprod(confidence, dim=1)
     steps = 20 * WINDOW_STEPS
     dynamic = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
     rate, depths = closed_loop(dynamic, 256, 2e-3, steps, lambda step: survival)
-    assert dynamic.proposals_skipped == 0 and max(depths[2:]) <= 4
+    assert dynamic.proposals_skipped == 0 and max(depths[WINDOW_STEPS:]) <= 4
     # Timed at full depth only (no depth graphs): closed but for its probes.
     full = at_load(plugin_speculator, 256, CHORDS_256, 2e-3, dynamic=False)
     full_rate, full_depths = closed_loop(full, 256, 2e-3, steps, lambda step: survival)
@@ -504,7 +504,7 @@ def test_at_256_requests_physical_depth_drops_the_positions_that_do_not_pay(plug
     settled = depths[steps // 4 :]
     assert 3 <= sum(settled) / len(settled) <= 5 and paying.proposals_skipped == 0
     largest = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
-    largest.depth_snapshots = None  # the largest admission rule of threshold and budget
+    largest._fold_depth_rates = lambda survival: None  # the largest admission rule
     largest_rate, largest_depths = closed_loop(
         largest, 256, 2e-3, steps, synthetic_survivals(256, steps)
     )
@@ -532,7 +532,7 @@ def test_on_the_profiled_curve_the_depth_that_pays_never_loses(
     for rule in ("paying", "largest"):
         speculator = at_load(plugin_speculator, load, profiled_curve(), outside_s)
         if rule == "largest":
-            speculator.depth_snapshots = None
+            speculator._fold_depth_rates = lambda survival: None
         rate, depths = closed_loop(speculator, load, outside_s, steps, synthetic_survivals(load))
         rates.append(rate)
         mean_depths.append(sum(depths) / len(depths))

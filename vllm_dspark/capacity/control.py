@@ -21,6 +21,8 @@ load. ``sps``, ``acceptance`` and the gate count each step's time outside the cu
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -47,7 +49,7 @@ from vllm_dspark.capacity.draft_gate import (
     draft_seconds_table,
     proposal_seconds,
 )
-from vllm_dspark.capacity.physical_depth import PhysicalDepth
+from vllm_dspark.capacity.physical_depth import WINDOW_STEPS, PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshots
@@ -167,16 +169,20 @@ class CapacityControl:
         # dynamic_depth: sequential positions the drafter computes, from recent admissions
         # (acceptance: the depth it will verify, planned before each proposal).
         self.physical_depth = None
-        # sps: proposals' survivals, for the depth that pays (physical_depth.py), and per
-        # depth the sum of their best expected tokens per second over the current window.
-        self.depth_snapshots = None
-        self.depth_rate_sums = np.zeros(num_drafts)
-        self.depth_rows_taken = self.depth_rates_folded = 0
         if options.dynamic_depth and self.acceptance is None:
             self.physical_depth = PhysicalDepth(num_drafts)
             self.stale_max_admitted = StalePerRequest(device, float(num_drafts))
-            if options.capacity == "sps":
-                self.depth_snapshots = StaleSnapshots(self.max_num_reqs, num_drafts, device)
+        # sps: whole proposals' survivals on the host, about SURVIVAL_MEMORY requests' per
+        # WINDOW_STEPS proposals (the rows taken at each of the last ones), for the draft
+        # gate (the latest) and the depth that pays (physical_depth.py: per depth, the sum
+        # of their best expected tokens per second over the current window).
+        self.survival_snapshots = None
+        self.snapshot_rows: deque[int] = deque(maxlen=WINDOW_STEPS)
+        self.gate_snapshot: torch.Tensor | None = None
+        self.depth_rate_sums = np.zeros(num_drafts)
+        self.depth_rates_folded = 0
+        if options.capacity == "sps":
+            self.survival_snapshots = StaleSnapshots(self.max_num_reqs, num_drafts, device)
         # k_r of the step being prepared, copied to the host for vLLM's statistics
         # (patches/admission_metrics.py); a few slots, as steps overlap.
         self.admitted_host = torch.zeros(
@@ -313,6 +319,14 @@ class CapacityControl:
             survival = self.acceptance.survival().tolist()
         else:
             survival = self.gate_survival.update(self.stale_survival, num_reqs)
+        # A recent proposal of a large batch values drafting by slot, as sps admits; a
+        # small one is too noisy a reading, and the worst request's mean is the batch
+        # objective's.
+        by_slot = self.gate_snapshot
+        if by_slot is not None and (
+            len(by_slot) < SURVIVAL_MEMORY or self.slowest_request is not None
+        ):
+            by_slot = None
         gate_open = self.draft_gate.decide(
             num_reqs,
             survival,
@@ -321,6 +335,7 @@ class CapacityControl:
             per_draft_s=overhead.per_draft_seconds,
             skip_s=overhead.skip_seconds,
             plain_s=plain,
+            survival=by_slot,
         )
         self.gate_depth = self.draft_gate.depth_chosen
         return gate_open
@@ -538,7 +553,7 @@ class CapacityControl:
         depth = self.physical_depth.depth
         paying = int(np.argmax(self.depth_rate_sums[:depth])) + 1
         self.depth_rate_sums[:] = 0.0
-        self.depth_rows_taken = self.depth_rates_folded = 0
+        self.depth_rates_folded = 0
         return paying
 
     def _fold_depth_rates(self, survival: torch.Tensor) -> None:
@@ -630,14 +645,14 @@ class CapacityControl:
             self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
-        if self.depth_snapshots is not None:
-            # Snapshots of about SURVIVAL_MEMORY requests' proposals per window: one at
-            # large batches, every proposal of a window at one request.
-            wanted = self.depth_rows_taken < SURVIVAL_MEMORY
-            self.depth_rows_taken += num_reqs if wanted else 0
-            earlier = self.depth_snapshots.exchange(survival if wanted else None)
+        if self.survival_snapshots is not None:
+            wanted = sum(self.snapshot_rows) < SURVIVAL_MEMORY
+            self.snapshot_rows.append(num_reqs if wanted else 0)
+            earlier = self.survival_snapshots.exchange(survival if wanted else None)
             if earlier is not None:
-                self._fold_depth_rates(earlier)
+                self.gate_snapshot = earlier
+                if self.physical_depth is not None:
+                    self._fold_depth_rates(earlier)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """The drafter's graph managers, listed without plain steps' Dynamic SD table

@@ -15,11 +15,19 @@ against R / (1 / SPS(R) + O + S) without drafting, O and b being the step's time
 the curve, per step (at R requests) and per verified draft, and S what a skipped
 proposal still costs (:mod:`step_overhead`); with plain steps, whose cost was measured
 apart, the side without drafting is a plain step's, R / (1 / SPS(R) + P), P its time
-outside the curve at R requests. The gate drafts when the best j wins, with a 2%
-hysteresis either way so that noise does not flip it every step. With dynamic depth,
-where the depth planned does not pay, each shallower depth d is weighed too, at its own
-D(R) and j <= d, and the gate drafts the best that pays: at 256 requests on the Qwen3-8B
-shape a full K=7 proposal costs 6.5 ms and a depth-2 one 3.5 ms (``depth_time.json``),
+outside the curve at R requests. That weighs one depth j for every request, where ``sps``
+admits the likeliest slots of each: where confidence varies between requests the mean
+survivals undervalue drafting, and can close the gate where admitting the likely half of
+the drafts pays (``tests/cpu/test_draft_gate.py``). So with a recent proposal of at least
+``SURVIVAL_MEMORY`` requests at hand (``sps``, read on the host two proposals late:
+:class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`), drafting is valued by its
+slots instead: sps's own objective over that proposal's survivals, the step's costs as
+above (:func:`~vllm_dspark.capacity.allocation.sps_rates`). The gate drafts when the
+best wins, with a 2% hysteresis either way so that noise does not flip it every step.
+With dynamic depth, where the depth planned does not pay, each shallower depth d is
+weighed too, at its own D(R) and j <= d, and the gate drafts the best that pays: at 256
+requests on the Qwen3-8B shape a full K=7 proposal costs 6.5 ms and a depth-2 one 3.5 ms
+(``depth_time.json``),
 while the depth planned only falls once steps verify fewer drafts, which a closed gate
 never lets them do. A skipped proposal still lets the drafter store its context K/V
 (later proposals need it) and verifies no draft: the next step's budget is 0 and vLLM
@@ -47,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, masked_forward_table, sps_rates
 from vllm_dspark.capacity.stale_record import StalePerRequest
 
 HYSTERESIS = 0.02
@@ -173,20 +182,38 @@ class DraftGate:
         per_draft_s: float = 0.0,
         skip_s: float = 0.0,
         plain_s: float | None = None,
+        survival: torch.Tensor | None = None,
     ) -> tuple[float, float]:
         """(best expected tokens/s with drafting, tokens/s without: a plain step's when
-        ``plain_s`` is given, else a speculative step's after a skipped proposal)."""
+        ``plain_s`` is given, else a speculative step's after a skipped proposal).
+        ``survival``: a recent proposal's [R', K] survivals (R' >= SURVIVAL_MEMORY), which
+        value drafting as ``sps`` admits, by slot (:meth:`_admission_rate`)."""
         if plain_s is None:  # a speculative step verifying nothing
             without = num_reqs / (self._forward_seconds(num_reqs, 0) + overhead_s + skip_s)
         else:  # a plain decode step: R tokens, compacted or not
             without = num_reqs / (1.0 / float(self.sps_table[num_reqs]) + plain_s)
-        best, expected = 0.0, 1.0
         fixed = proposal_seconds(self.draft_seconds, num_reqs, depth) + overhead_s
+        if survival is not None:
+            return self._admission_rate(survival, num_reqs, depth, fixed, per_draft_s), without
+        best, expected = 0.0, 1.0
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
             step = self._forward_seconds(num_reqs, j) + fixed + per_draft_s * num_reqs * j
             best = max(best, num_reqs * expected / step)
         return best, without
+
+    def _admission_rate(
+        self, survival: torch.Tensor, num_reqs: int, depth: int, fixed_s: float, per_draft_s: float
+    ) -> float:
+        """Expected tokens/s of a step of ``num_reqs`` requests drafting ``depth`` positions
+        whose survivals are like ``survival``'s rows (taken in turn), verifying the best
+        slots as ``sps`` would."""
+        rows = survival[torch.arange(num_reqs) % survival.shape[0]].double()
+        rows[:, depth:] = UNCOMPUTED_SURVIVAL
+        table = self.sps_table
+        if self.masked_step_drafts:
+            table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
+        return float(sps_rates(rows, table, fixed_s, per_draft_s).max())
 
     def _forward_seconds(self, num_reqs: int, drafts_per_req: int) -> float:
         """The target's forward for a speculative step verifying ``drafts_per_req`` drafts
