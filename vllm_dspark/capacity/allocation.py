@@ -123,13 +123,14 @@ def threshold_count(survival: torch.Tensor, threshold: float) -> torch.Tensor:
 def sps_rates(
     survival: torch.Tensor,
     sps_table: torch.Tensor,
-    fixed_seconds: float = 0.0,
+    fixed_seconds: float | torch.Tensor = 0.0,
     per_draft_seconds: float = 0.0,
 ) -> torch.Tensor:
     """Expected tokens per second of admitting the n best slots, n = 0..R*K: (R + sum of
     the n best survivals) / (1 / SPS(R + n) + ``fixed_seconds`` + n ``per_draft_seconds``),
-    with the step's time outside the curve's forward (:mod:`step_overhead`).
-    ``sps_table[T]`` covers T up to R * (1 + K). [..., R, K] -> [..., R*K + 1]."""
+    with the step's time outside the curve's forward (:mod:`step_overhead`);
+    ``fixed_seconds`` may be one per batch ([..., 1]). ``sps_table[T]`` covers T up to
+    R * (1 + K). [..., R, K] -> [..., R*K + 1]."""
     num_reqs = survival.shape[-2]
     ordered = survival.flatten(-2).sort(dim=-1, descending=True).values
     zero = ordered.new_zeros(ordered.shape[:-1] + (1,))
