@@ -504,7 +504,7 @@ def test_at_256_requests_physical_depth_drops_the_positions_that_do_not_pay(plug
     settled = depths[steps // 4 :]
     assert 3 <= sum(settled) / len(settled) <= 5 and paying.proposals_skipped == 0
     largest = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
-    largest._fold_depth_rates = lambda survival: None  # the largest admission rule
+    largest._depth_rates = lambda snapshots: None  # the largest admission rule
     largest_rate, largest_depths = closed_loop(
         largest, 256, 2e-3, steps, synthetic_survivals(256, steps)
     )
@@ -532,7 +532,7 @@ def test_on_the_profiled_curve_the_depth_that_pays_never_loses(
     for rule in ("paying", "largest"):
         speculator = at_load(plugin_speculator, load, profiled_curve(), outside_s)
         if rule == "largest":
-            speculator._fold_depth_rates = lambda survival: None
+            speculator._depth_rates = lambda snapshots: None
         rate, depths = closed_loop(speculator, load, outside_s, steps, synthetic_survivals(load))
         rates.append(rate)
         mean_depths.append(sum(depths) / len(depths))

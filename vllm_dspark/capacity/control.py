@@ -179,8 +179,8 @@ class CapacityControl:
         self.survival_snapshots = None
         self.snapshot_rows: deque[int] = deque(maxlen=WINDOW_STEPS)
         self.gate_snapshot: torch.Tensor | None = None
-        self.depth_rate_sums = np.zeros(num_drafts)
-        self.depth_rates_folded = 0
+        # Read since the window's start (at most a window's proposals).
+        self.depth_snapshots: deque[torch.Tensor] = deque(maxlen=WINDOW_STEPS)
         if options.capacity == "sps":
             self.survival_snapshots = StaleSnapshots(self.max_num_reqs, num_drafts, device)
         # k_r of the step being prepared, copied to the host for vLLM's statistics
@@ -546,38 +546,41 @@ class CapacityControl:
 
     def _paying_depth(self) -> int | None:
         """sps with dynamic depth, at a window's end: the depth d' <= d whose proposals
-        would have brought the most expected tokens per second, summed over the window's
-        snapshots (:meth:`_fold_depth_rates`). None without any."""
-        if not self.depth_rates_folded:
+        would have brought the most expected tokens per second, summed over the snapshots
+        read since the last window's end (:meth:`_depth_rates`). None without any."""
+        rates = self._depth_rates(list(self.depth_snapshots))
+        self.depth_snapshots.clear()
+        if rates is None:
             return None
-        depth = self.physical_depth.depth
-        paying = int(np.argmax(self.depth_rate_sums[:depth])) + 1
-        self.depth_rate_sums[:] = 0.0
-        self.depth_rates_folded = 0
-        return paying
+        return int(np.argmax(rates[: self.physical_depth.depth])) + 1
 
-    def _fold_depth_rates(self, survival: torch.Tensor) -> None:
-        """One proposal's survivals [R, K] (a host snapshot): for each depth d' = 1..K, the
-        best admission among its first d' positions by sps's objective with that depth's
-        proposal time added, its expected tokens per second summed into the window's. Only
-        with a curve and per-depth draft timings (else the largest admission reads)."""
-        if self.sps_table_host is None or len(self.draft_tables) < 2:
-            return
-        num_reqs, num_drafts = survival.shape
+    def _depth_rates(self, snapshots: list[torch.Tensor]) -> np.ndarray | None:
+        """Per depth d' = 1..K, summed over proposals' survivals [R, K] (host snapshots):
+        the best admission among the first d' positions by sps's objective with that
+        depth's proposal time added, in expected tokens per second. One batched
+        evaluation per batch size (a window at one request holds 8 proposals). None
+        without snapshots, a curve or per-depth draft timings (the largest admission
+        reads then)."""
+        if not snapshots or self.sps_table_host is None or len(self.draft_tables) < 2:
+            return None
+        num_drafts = self.num_speculative_steps
         depths = torch.arange(1, num_drafts + 1)
-        computed = torch.arange(num_drafts) < depths[:, None]  # [D, K]
-        survival = torch.where(computed[:, None, :], survival.double(), UNCOMPUTED_SURVIVAL)
-        fixed = per_draft = 0.0
-        if self.step_overhead is not None and self.step_overhead.ready:
-            fixed = self.step_overhead.per_step_seconds(num_reqs)
-            per_draft = self.step_overhead.per_draft_seconds
-        draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
-        table = self.sps_table_host
-        if self.masked_step_drafts:
-            table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
-        rates = sps_rates(survival, table, (fixed + draft)[:, None], per_draft)
-        self.depth_rate_sums += rates.amax(dim=-1).numpy()
-        self.depth_rates_folded += 1
+        computed = (torch.arange(num_drafts) < depths[:, None])[:, None, :]  # [D, 1, K]
+        total = np.zeros(num_drafts)
+        for num_reqs in sorted({len(s) for s in snapshots}):
+            group = torch.stack([s for s in snapshots if len(s) == num_reqs]).double()
+            survival = torch.where(computed, group[:, None], UNCOMPUTED_SURVIVAL)  # [S,D,R,K]
+            fixed = per_draft = 0.0
+            if self.step_overhead is not None and self.step_overhead.ready:
+                fixed = self.step_overhead.per_step_seconds(num_reqs)
+                per_draft = self.step_overhead.per_draft_seconds
+            draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
+            table = self.sps_table_host
+            if self.masked_step_drafts:
+                table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
+            rates = sps_rates(survival, table, (fixed + draft)[:, None], per_draft)
+            total += rates.amax(dim=-1).sum(dim=0).numpy()
+        return total
 
     def fold_fingerprint(self, admitted: torch.Tensor) -> None:
         """h = (h * M + sum_r w_r k_r + R) mod 2^31 - 1, on the device (no host sync);
@@ -652,7 +655,7 @@ class CapacityControl:
             if earlier is not None:
                 self.gate_snapshot = earlier
                 if self.physical_depth is not None:
-                    self._fold_depth_rates(earlier)
+                    self.depth_snapshots.append(earlier)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """The drafter's graph managers, listed without plain steps' Dynamic SD table
