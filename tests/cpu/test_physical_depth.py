@@ -48,19 +48,38 @@ def test_a_cost_reading_replaces_the_largest_admission():
     assert [depth.observe(64, 2, lambda: None) for _ in range(WINDOW_STEPS)][-1] == 2
 
 
-def test_snapshots_are_read_two_proposals_later():
+def check_snapshots(device) -> None:
+    """Each snapshot comes back two proposals later, as it was when taken: the proposal's
+    tensor, overwritten right after (as the next step's drafts overwrite a graph's
+    buffers), does not change it."""
     import torch
 
     from vllm_dspark.capacity.stale_record import StaleSnapshots
 
-    snapshots = StaleSnapshots(8, K, torch.device("cpu"))
-    first, second, fourth = torch.rand(3, K), torch.rand(5, K), torch.rand(2, K)
-    assert snapshots.exchange(first) is None
-    assert snapshots.exchange(second) is None
-    torch.testing.assert_close(snapshots.exchange(None), first)  # the third takes none
-    torch.testing.assert_close(snapshots.exchange(fourth), second)
-    assert snapshots.exchange(None) is None  # the third's, none
-    torch.testing.assert_close(snapshots.exchange(None), fourth)
+    snapshots = StaleSnapshots(8, K, device)
+    buffer = torch.zeros(8, K, device=device)
+    taken = []
+
+    def propose(rows: int | None):
+        if rows is None:
+            return snapshots.exchange(None)
+        buffer[:rows] = torch.rand(rows, K, device=device)
+        taken.append(buffer[:rows].cpu().clone())
+        earlier = snapshots.exchange(buffer[:rows])
+        buffer.fill_(-5.0)
+        return earlier
+
+    assert propose(3) is None and propose(5) is None
+    torch.testing.assert_close(propose(None), taken[0])  # the third takes none
+    torch.testing.assert_close(propose(2), taken[1])
+    assert propose(None) is None  # the third's: none
+    torch.testing.assert_close(propose(None), taken[2])
+
+
+def test_snapshots_are_read_two_proposals_later():
+    import torch
+
+    check_snapshots(torch.device("cpu"))
 
 
 def test_a_sharply_shrinking_batch_restores_full_depth():
