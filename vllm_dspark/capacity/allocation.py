@@ -141,6 +141,24 @@ def sps_rates(
     return expected / step_seconds
 
 
+def best_rates_by_depth(
+    survival: torch.Tensor,
+    depths: torch.Tensor,
+    sps_table: torch.Tensor,
+    fixed_seconds: float | torch.Tensor = 0.0,
+    per_draft_seconds: float = 0.0,
+) -> torch.Tensor:
+    """For each depth d of ``depths`` [D]: the most expected tokens per second of sps's
+    admission (:func:`sps_rates`) had the proposal computed only its first d positions
+    (the rest ranked last, as :data:`UNCOMPUTED_SURVIVAL`); ``fixed_seconds`` for all, or
+    one per depth ([D]). [..., R, K] -> [..., D]."""
+    computed = torch.arange(survival.shape[-1]) < depths[:, None]  # [D, K]
+    drafted = torch.where(computed[:, None, :], survival.unsqueeze(-3), UNCOMPUTED_SURVIVAL)
+    if isinstance(fixed_seconds, torch.Tensor):
+        fixed_seconds = fixed_seconds[:, None]
+    return sps_rates(drafted, sps_table, fixed_seconds, per_draft_seconds).amax(dim=-1)
+
+
 def sps_best_count(
     survival: torch.Tensor,
     sps_table: torch.Tensor,

@@ -30,13 +30,12 @@ from vllm.logger import init_logger
 
 from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth, position_counts
 from vllm_dspark.capacity.allocation import (
-    UNCOMPUTED_SURVIVAL,
     admission_budget,
+    best_rates_by_depth,
     budget_capacity,
     masked_forward_table,
     padded_to_graph_sizes,
     sps_best_count,
-    sps_rates,
     sps_table_from_curve,
     threshold_count,
     verification_counts,
@@ -320,12 +319,9 @@ class CapacityControl:
         else:
             survival = self.gate_survival.update(self.stale_survival, num_reqs)
         # A recent proposal of a large batch values drafting by slot, as sps admits; a
-        # small one is too noisy a reading, and the worst request's mean is the batch
-        # objective's.
+        # small one is too noisy a reading.
         by_slot = self.gate_snapshot
-        if by_slot is not None and (
-            len(by_slot) < SURVIVAL_MEMORY or self.slowest_request is not None
-        ):
+        if by_slot is not None and len(by_slot) < SURVIVAL_MEMORY:
             by_slot = None
         gate_open = self.draft_gate.decide(
             num_reqs,
@@ -565,11 +561,9 @@ class CapacityControl:
             return None
         num_drafts = self.num_speculative_steps
         depths = torch.arange(1, num_drafts + 1)
-        computed = (torch.arange(num_drafts) < depths[:, None])[:, None, :]  # [D, 1, K]
         total = np.zeros(num_drafts)
         for num_reqs in sorted({len(s) for s in snapshots}):
             group = torch.stack([s for s in snapshots if len(s) == num_reqs]).double()
-            survival = torch.where(computed, group[:, None], UNCOMPUTED_SURVIVAL)  # [S,D,R,K]
             fixed = per_draft = 0.0
             if self.step_overhead is not None and self.step_overhead.ready:
                 fixed = self.step_overhead.per_step_seconds(num_reqs)
@@ -578,8 +572,8 @@ class CapacityControl:
             table = self.sps_table_host
             if self.masked_step_drafts:
                 table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
-            rates = sps_rates(survival, table, (fixed + draft)[:, None], per_draft)
-            total += rates.amax(dim=-1).sum(dim=0).numpy()
+            rates = best_rates_by_depth(group, depths, table, fixed + draft, per_draft)
+            total += rates.sum(dim=0).numpy()
         return total
 
     def fold_fingerprint(self, admitted: torch.Tensor) -> None:
@@ -648,14 +642,17 @@ class CapacityControl:
             self.stale_survival.record(sums, num_reqs)
         if self.stale_budget is not None:
             self.stale_budget.record(wanted, num_reqs)
-        if self.survival_snapshots is not None:
+        # Read by the depth that pays and by a gate of the step objective; none else.
+        gate_reads = self.draft_gate is not None and self.slowest_request is None
+        depth_reads = self.physical_depth is not None
+        if self.survival_snapshots is not None and (depth_reads or gate_reads):
             wanted = sum(self.snapshot_rows) < SURVIVAL_MEMORY
             self.snapshot_rows.append(num_reqs if wanted else 0)
             earlier = self.survival_snapshots.exchange(survival if wanted else None)
-            if earlier is not None:
+            if earlier is not None and gate_reads:
                 self.gate_snapshot = earlier
-                if self.physical_depth is not None:
-                    self.depth_snapshots.append(earlier)
+            if earlier is not None and depth_reads:
+                self.depth_snapshots.append(earlier)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """The drafter's graph managers, listed without plain steps' Dynamic SD table

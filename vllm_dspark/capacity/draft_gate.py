@@ -22,7 +22,7 @@ the drafts pays (``tests/cpu/test_draft_gate.py``). So with a recent proposal of
 ``SURVIVAL_MEMORY`` requests at hand (``sps``, read on the host two proposals late:
 :class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`), drafting is valued by its
 slots instead: sps's own objective over that proposal's survivals, the step's costs as
-above (:func:`~vllm_dspark.capacity.allocation.sps_rates`). The gate drafts when the
+above (:func:`~vllm_dspark.capacity.allocation.best_rates_by_depth`). The gate drafts when the
 best wins, with a 2% hysteresis either way so that noise does not flip it every step.
 With dynamic depth, where the depth planned does not pay, each shallower depth d is
 weighed too, at its own D(R) and j <= d, and the gate drafts the best that pays: at 256
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, masked_forward_table, sps_rates
+from vllm_dspark.capacity.allocation import best_rates_by_depth, masked_forward_table
 from vllm_dspark.capacity.stale_record import StalePerRequest
 
 HYSTERESIS = 0.02
@@ -209,11 +209,10 @@ class DraftGate:
         whose survivals are like ``survival``'s rows (taken in turn), verifying the best
         slots as ``sps`` would."""
         rows = survival[torch.arange(num_reqs) % survival.shape[0]].double()
-        rows[:, depth:] = UNCOMPUTED_SURVIVAL
         table = self.sps_table
         if self.masked_step_drafts:
             table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
-        return float(sps_rates(rows, table, fixed_s, per_draft_s).max())
+        return float(best_rates_by_depth(rows, torch.tensor([depth]), table, fixed_s, per_draft_s))
 
     def _forward_seconds(self, num_reqs: int, drafts_per_req: int) -> float:
         """The target's forward for a speculative step verifying ``drafts_per_req`` drafts

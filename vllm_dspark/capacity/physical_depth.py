@@ -17,8 +17,8 @@ d follows a reading taken once per window of steps:
   :class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`; one proposal per window at
   64 requests or more, every one at one request), for each depth d' <= d the best
   admission among the first d' positions by ``sps``'s own objective with that depth's
-  proposal time added (:func:`~vllm_dspark.capacity.allocation.sps_rates`), summed over
-  the snapshots, and the d' of most expected tokens per second. One proposal of one
+  proposal time added (:func:`~vllm_dspark.capacity.allocation.best_rates_by_depth`),
+  summed over the snapshots, and the d' of most expected tokens per second. One proposal of one
   request is too noisy a reading: its drafts could look not worth a deep proposal where
   on average they are (at one request a deeper proposal costs about 0.05 ms a position).
   Where confidence varies between requests, some request almost always admits all K
