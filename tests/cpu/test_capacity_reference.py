@@ -253,7 +253,9 @@ def test_synthetic_confidence_reproduces_the_profile_and_a_trained_heads_discrim
     )
 
     rates = [0.8, 0.62, 0.48, 0.37, 0.28, 0.21, 0.16]
-    conditional = [r / (rates[k - 1] if k else 1.0) for k, r in enumerate(rates)]
+    from offline_sweep import conditional_rates  # benchmarks/ is on the path
+
+    conditional = conditional_rates(rates)
     num = 200_000
     seeds = torch.arange(num) * 104729 + 17
     first = torch.full((num,), 40)

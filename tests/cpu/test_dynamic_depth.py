@@ -423,9 +423,11 @@ def at_load(plugin_speculator, load: int, curve: list, outside_s: float, dynamic
 def synthetic_survivals(load: int, lifetime: int = 40):
     """Calibrated synthetic survivals on the profile, fresh draws every step; a request
     lives ``lifetime`` steps, then a new one takes its slot."""
+    from offline_sweep import conditional_rates  # benchmarks/ is on the path
+
     from vllm_dspark.capacity.synthetic import SyntheticConfidence
 
-    conditional = [r / (RATES[k - 1] if k else 1.0) for k, r in enumerate(RATES)]
+    conditional = conditional_rates(RATES)
     synthetic = SyntheticConfidence(conditional, torch.device("cpu"))
 
     def survivals(step: int) -> torch.Tensor:
