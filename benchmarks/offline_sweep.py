@@ -79,6 +79,13 @@ ARMS = {
         "dspark_varlen_verify": True,
         "dspark_plain_steps": True,
     },
+    # sps-plain whose drafter runs only the depth that pays under the load.
+    "sps-depth-plain": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+    },
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
     # lasts as long as its slowest request (benchmarks/batch_steps.py).
     "sps-batch": {

@@ -33,10 +33,18 @@ SPS_AGAINST_BEST = 0.97  # setup (b): sps over the best other arm, every concurr
 OVERHEAD_LIMIT = 1.03  # admit-everything step over fixed k=7's, 64 requests
 CACHED_TTFT = 0.7  # an arm's time to a first token below this share of no speculation's
 # The sweep's capacity arms (offline_sweep.ARMS), and its fixed-depth arm (DSpark k=7).
-CAPACITY_ARMS = ("budget", "threshold", "sps", "sps-depth", "sps-plain", "sps-batch")
+CAPACITY_ARMS = (
+    "budget",
+    "threshold",
+    "sps",
+    "sps-depth",
+    "sps-plain",
+    "sps-depth-plain",
+    "sps-batch",
+)
 FIXED_K_ARMS = ("dspark",)
 # Setup (b)'s sps targets hold for the mode if one of its configurations meets them.
-SPS_MODE_ARMS = ("sps", "sps-depth", "sps-plain", "sps-batch")
+SPS_MODE_ARMS = ("sps", "sps-depth", "sps-plain", "sps-depth-plain", "sps-batch")
 
 
 def _evidence(record: dict, name: str) -> dict:

@@ -237,7 +237,8 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(plugin_sp
     importlib.import_module(compact_verification.RUNNER_MODULE)
     compact_verification.apply()  # as building a capacity speculator does in a worker
     curve = [[1, 100.0], [64, 90.0], [512, 30.0]]
-    arms = ["budget", "threshold", "sps-depth", "acceptance", "sps-plain", "sps-batch", "sps"]
+    arms = ["budget", "threshold", "sps-depth", "acceptance", "sps-plain", "sps-depth-plain"]
+    arms += ["sps-batch", "sps"]
     start, switches = shared_engine_plan(arms, None)
     start["dspark_sps_curve"] = curve  # this CPU platform has no graphs to profile
     speculator = plugin_speculator(K, **start)
