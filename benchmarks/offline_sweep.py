@@ -86,6 +86,14 @@ ARMS = {
         "dspark_dynamic_depth": True,
         "dspark_plain_steps": True,
     },
+    # ... drafting through the rowwise FP8 LM head (an engine of its own).
+    "sps-depth-plain-fp8": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_fp8_draft_head": True,
+    },
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
     # lasts as long as its slowest request (benchmarks/batch_steps.py).
     "sps-batch": {
@@ -375,8 +383,14 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
     return start, switch
 
 
-def is_capacity_arm(arm: str) -> bool:
-    return "dspark_capacity" in (ARMS[arm] or {})
+def is_shareable_arm(arm: str) -> bool:
+    """A capacity arm whose every option a running engine can switch to (an FP8 head is
+    loaded at start-up)."""
+    from vllm_dspark.capacity.control import SWITCHABLE
+
+    options = ARMS[arm] or {}
+    keys = {key.removeprefix("dspark_") for key in options if key != "method"}
+    return "dspark_capacity" in options and keys <= SWITCHABLE
 
 
 def check_num_drafts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -460,12 +474,16 @@ def main() -> int:
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
     arms = args.arms.split(",")
     runs = [[arm, ARMS[arm], None] for arm in arms]  # [label, start-up options, switches]
-    shared = [arm for arm in arms if args.shared_engine and is_capacity_arm(arm)]
+    shared = [arm for arm in arms if args.shared_engine and is_shareable_arm(arm)]
     runs = [run for run in runs if run[0] not in shared]
+    # Capacity arms an engine cannot switch to run after the shared engines they add to.
+    alone = [run for run in runs if "dspark_capacity" in (run[1] or {})]
+    runs = [run for run in runs if run not in alone]
     for method in ("dspark", "dflash"):
         group = [arm for arm in shared if ARMS[arm].get("method", "dspark") == method]
         if group:
             runs.append(["+".join(group), *shared_engine_plan(group, curve)])
+    runs += alone
     if args.bracket:
         runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
