@@ -44,7 +44,8 @@
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
 #   dflash   DFlash fixed k=7 against its acceptance-length controller (without and with
 #            dynamic depth and plain steps, one shared engine) and no speculation, Qwen3-8B
-#            shape, vLLM's synthetic acceptance (vLLM; three engines, ~9 min)
+#            shape, vLLM's synthetic acceptance (vLLM; three engines, ~10 min); third and
+#            fourth arguments: other arms, other concurrencies
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
@@ -201,8 +202,8 @@ case "$stage" in
     vllm_env
     # The acceptance arms share one engine (started with depth graphs and plain steps).
     timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine \
-      --arms nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain \
-      --concurrency 1,16,64,256 --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
+      --arms "${3:-nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain}" \
+      --concurrency "${4:-1,16,64,256}" --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
       | tee "$OUT/dflash.log" | tail -14
     ;;
   sts)

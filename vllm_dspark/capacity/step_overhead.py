@@ -41,11 +41,22 @@ the embedded pair (13fb6b1, H200) it took 2.2 ms at 64 requests against 4.9 ms f
 fixed k=7 step, so O + a R + S, fitted on speculative steps, overstated it by more than
 half and the gate never closed where no speculation was 1.1-1.3x faster. Plain steps'
 periods, less the curve's forward for their R tokens, are fitted apart, as P + p R.
+
+A period is read at the host, which runs a step ahead of the GPU under async scheduling,
+so the period around a change of step kind (plain, speculative, or a step the curve does
+not describe, such as a prefill) can time the step before it: the first plain step after
+a speculative one read as long as that step. Plain steps come in short runs (a probe's
+burst, a closing gate), so such samples were a large share of them. With DFlash on the
+Qwen3-8B shape (94a15b3, H200) P + p R came to 6.7 ms at 64 requests and 7.6 ms at 256,
+on top of the curve's 5.3 and 7.1 ms, where a whole step of no speculation took 6.2 and
+11.4 ms (``step_breakdown.json``, 30752a7); the gate kept drafting at 256, where no
+speculation was faster. A sample counts only when the ``SETTLE`` steps before it were of its kind.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -57,6 +68,9 @@ DECAY = 0.8  # per window: the fit weighs about the last five windows
 # Added to each slope's diagonal, relative to it: a slope stays 0 where its variable never
 # varied (or was always 0), and a rare variable (few skipped proposals) is not shrunk.
 RIDGE = 1e-5
+# Steps of a sample's own kind that must precede it: one the host ran ahead, one that the
+# period may straddle.
+SETTLE = 2
 
 
 class OverheadFit:
@@ -124,6 +138,7 @@ class StepOverhead:
         self.plain_seconds = 0.0  # P, 0 until plain steps were measured
         self.plain_per_request_seconds = 0.0  # p
         self._last_time: float | None = None
+        self._kinds: deque[str | None] = deque(maxlen=SETTLE + 1)  # latest last
         cuda = device.type == "cuda"
         self._device_value = torch.zeros(6, dtype=torch.float64, device=device)
         self._host_value = torch.zeros(6, dtype=torch.float64, pin_memory=cuda)
@@ -157,7 +172,10 @@ class StepOverhead:
             return
         now = self._clock()
         last, self._last_time = self._last_time, now
-        if last is None or verified_drafts is None:
+        kind = None if verified_drafts is None else "plain" if plain else "speculative"
+        self._kinds.append(kind)
+        settled = len(self._kinds) > SETTLE and len(set(self._kinds)) == 1
+        if last is None or kind is None or not settled:
             return
         residual = max(0.0, now - last - forward_s - draft_s)
         self._samples.append((num_reqs, verified_drafts, residual, skipped, plain))
