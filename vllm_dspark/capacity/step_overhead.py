@@ -45,12 +45,15 @@ periods, less the curve's forward for their R tokens, are fitted apart, as P + p
 A period is read at the host, which runs a step ahead of the GPU under async scheduling,
 so the period around a change of step kind (plain, speculative, or a step the curve does
 not describe, such as a prefill) can time the step before it: the first plain step after
-a speculative one read as long as that step. Plain steps come in short runs (a probe's
-burst, a closing gate), so such samples were a large share of them. With DFlash on the
-Qwen3-8B shape (94a15b3, H200) P + p R came to 6.7 ms at 64 requests and 7.6 ms at 256,
-on top of the curve's 5.3 and 7.1 ms, where a whole step of no speculation took 6.2 and
-11.4 ms (``step_breakdown.json``, 30752a7); the gate kept drafting at 256, where no
-speculation was faster. A sample counts only when the ``SETTLE`` steps before it were of its kind.
+a speculative one can read as long as that step. Plain steps come in short runs (a
+probe's burst, a closing gate), so such samples can be a large share of them. With DFlash
+on the Qwen3-8B shape (94a15b3, H200) P + p R came to 6.7 ms at 64 requests and 7.6 ms at
+256, on top of the curve's 5.3 and 7.1 ms, where a whole step of no speculation took 6.2
+and 11.4 ms (``step_breakdown.json``, 30752a7), and the gate kept drafting at 256, where
+no speculation was faster. How much of that excess was such samples and how much the
+plugin's plain step itself (1.33-1.45x a step of no speculation on the embedded pair,
+0437bee) is still to be measured. A sample counts only when the ``SETTLE`` steps before it
+were of its kind.
 """
 
 from __future__ import annotations
