@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from offline_sweep import DEFAULT_RATES, conditional_rates
 
-from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, prefix_survival
+from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, prefix_survival, sps_rates
 from vllm_dspark.capacity.synthetic import SyntheticConfidence
 
 K = 7
@@ -82,21 +82,20 @@ def measured_costs(results: Path, concurrency: int) -> dict:
 
 
 def best_step(survival: torch.Tensor, costs: dict) -> tuple[float, int, int]:
-    """(expected tokens per ms, depth, admitted) of the best choice for one batch.
-    survival: [R, K] prefix survivals at full depth."""
+    """(expected tokens per ms, depth, admitted) of the best choice for one batch, as
+    ``sps`` weighs it (:func:`~vllm_dspark.capacity.allocation.sps_rates`) on the measured
+    costs. survival: [R, K] prefix survivals at full depth."""
     num_reqs = survival.shape[0]
     tokens_at = sorted(costs["forward_ms"])
     forward_at = [costs["forward_ms"][t] for t in tokens_at]
     outside = costs["nospec_step_ms"] - costs["forward_ms"][num_reqs]
     best = (num_reqs / costs["nospec_step_ms"], 0, 0)
-    counts = torch.arange(num_reqs * K + 1, dtype=torch.float64)
-    forward = torch.from_numpy(np.interp((num_reqs + counts).numpy(), tokens_at, forward_at))
+    tokens = np.arange(num_reqs * (1 + K) + 1)
+    steps_per_second = torch.from_numpy(1000.0 / np.interp(tokens, tokens_at, forward_at))
     for depth, draft_ms in sorted(costs["draft_ms"].items()):
-        computed = survival.clone()
+        computed = survival.double().clone()
         computed[:, depth:] = UNCOMPUTED_SURVIVAL
-        ordered = computed.flatten().sort(descending=True).values.double().clamp(min=0.0)
-        expected = num_reqs + torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
-        rate = expected / (forward + outside + draft_ms)
+        rate = sps_rates(computed, steps_per_second, (outside + draft_ms) / 1000.0) / 1000.0
         admitted = int(rate.argmax())
         if float(rate[admitted]) > best[0]:
             best = (float(rate[admitted]), depth, admitted)
