@@ -52,8 +52,8 @@ on the Qwen3-8B shape (94a15b3, H200) P + p R came to 6.7 ms at 64 requests and 
 and 11.4 ms (``step_breakdown.json``, 30752a7), and the gate kept drafting at 256, where
 no speculation was faster. How much of that excess was such samples and how much the
 plugin's plain step itself (1.33-1.45x a step of no speculation on the embedded pair,
-0437bee) is still to be measured. A sample counts only when the ``SETTLE`` steps before it
-were of its kind.
+0437bee) is still to be measured. A sample counts only when the step before it was of its
+kind (``SETTLE``).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ DECAY = 0.8  # per window: the fit weighs about the last five windows
 # Added to each slope's diagonal, relative to it: a slope stays 0 where its variable never
 # varied (or was always 0), and a rare variable (few skipped proposals) is not shrunk.
 RIDGE = 1e-5
-# Steps of a sample's own kind that must precede it: one the host ran ahead, one that the
-# period may straddle.
-SETTLE = 2
+# Steps of a sample's own kind that must precede it: the host runs one step ahead (async
+# scheduling keeps one step in flight). Each more would cost samples where steps of other
+# kinds come often (a server's prefills), and a kind with no samples is never fitted.
+SETTLE = 1
 
 
 class OverheadFit:
