@@ -138,6 +138,7 @@ def test_a_masked_step_admits_what_a_compacted_one_leaves_out_to_save_its_forwar
     masked = masked_forward_table(flat_then_cliff, 3, 4)
     assert masked[3:16].tolist() == [flat_then_cliff[15].item()] * 13
     assert masked[16:].tolist() == flat_then_cliff[16:].tolist()  # other batches: as is
+    assert masked_forward_table(flat_then_cliff, 3, 0) is flat_then_cliff  # compacted
     assert sps_best_count(SURVIVAL, flat_then_cliff).item() == 2
     assert sps_best_count(SURVIVAL, masked).item() == 12
     # A per-draft cost still leaves out the drafts whose survival does not pay for it.

@@ -175,7 +175,10 @@ def masked_forward_table(sps_table: torch.Tensor, num_reqs: int, num_drafts: int
     requests verified masked (``dspark_varlen_verify=false``): the target runs all
     R (1 + K) tokens whatever the step admits, so every admission, none included, costs
     that forward. (Read with the compacted step's table, a masked step would verify fewer
-    drafts than pay: those left out save no forward time.)"""
+    drafts than pay: those left out save no forward time.) ``num_drafts`` 0 (steps
+    compacted to what they verify): ``sps_table`` itself."""
+    if num_drafts == 0:
+        return sps_table
     full = num_reqs * (1 + num_drafts)
     table = sps_table.clone()
     table[num_reqs : full + 1] = sps_table[full]

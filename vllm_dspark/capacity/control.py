@@ -569,9 +569,7 @@ class CapacityControl:
                 fixed = self.step_overhead.per_step_seconds(num_reqs)
                 per_draft = self.step_overhead.per_draft_seconds
             draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
-            table = self.sps_table_host
-            if self.masked_step_drafts:
-                table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
+            table = masked_forward_table(self.sps_table_host, num_reqs, self.masked_step_drafts)
             rates = best_rates_by_depth(group, depths, table, fixed + draft, per_draft)
             total += rates.sum(dim=0).numpy()
         return total
@@ -616,9 +614,7 @@ class CapacityControl:
             overhead = self.step_overhead
             fixed = overhead.per_step_seconds(num_reqs) + self._draft_seconds(num_reqs)
             per_draft = overhead.per_draft_seconds
-            sps_table = self.sps_table
-            if self.masked_step_drafts:
-                sps_table = masked_forward_table(sps_table, num_reqs, self.masked_step_drafts)
+            sps_table = masked_forward_table(self.sps_table, num_reqs, self.masked_step_drafts)
         if use_triton(survival):
             stats = proposal_stats(
                 survival,

@@ -209,9 +209,7 @@ class DraftGate:
         whose survivals are like ``survival``'s rows (taken in turn), verifying the best
         slots as ``sps`` would."""
         rows = survival[torch.arange(num_reqs) % survival.shape[0]].double()
-        table = self.sps_table
-        if self.masked_step_drafts:
-            table = masked_forward_table(table, num_reqs, self.masked_step_drafts)
+        table = masked_forward_table(self.sps_table, num_reqs, self.masked_step_drafts)
         return float(best_rates_by_depth(rows, torch.tensor([depth]), table, fixed_s, per_draft_s))
 
     def _forward_seconds(self, num_reqs: int, drafts_per_req: int) -> float:
