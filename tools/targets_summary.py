@@ -23,6 +23,12 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # offline_sweep
+from offline_sweep import ARMS  # noqa: E402
+
+from vllm_dspark.config import CONFIDENCE_MODES  # noqa: E402
+
 DEPTH_RATIO_LIMIT = 0.6  # draft time at depth 2 over depth 7, at 256 requests
 ECE_LIMIT = 0.03
 STS_STEPS = 2000
@@ -32,19 +38,16 @@ SPS_UNDER_LOAD = 1.10  # setup (b): sps over no speculation at 256 requests
 SPS_AGAINST_BEST = 0.97  # setup (b): sps over the best other arm, every concurrency
 OVERHEAD_LIMIT = 1.03  # admit-everything step over fixed k=7's, 64 requests
 CACHED_TTFT = 0.7  # an arm's time to a first token below this share of no speculation's
-# The sweep's capacity arms (offline_sweep.ARMS), and its fixed-depth arm (DSpark k=7).
-CAPACITY_ARMS = (
-    "budget",
-    "threshold",
-    "sps",
-    "sps-depth",
-    "sps-plain",
-    "sps-depth-plain",
-    "sps-batch",
+# The sweep's confidence-scheduled capacity arms, those of the sps mode (setup (b)'s sps
+# targets hold for the mode if one of its configurations meets them), and its fixed-depth
+# arm (DSpark k=7).
+CAPACITY_ARMS = tuple(
+    arm
+    for arm, options in ARMS.items()
+    if (options or {}).get("dspark_capacity") in CONFIDENCE_MODES
 )
+SPS_MODE_ARMS = tuple(arm for arm in CAPACITY_ARMS if ARMS[arm]["dspark_capacity"] == "sps")
 FIXED_K_ARMS = ("dspark",)
-# Setup (b)'s sps targets hold for the mode if one of its configurations meets them.
-SPS_MODE_ARMS = ("sps", "sps-depth", "sps-plain", "sps-depth-plain", "sps-batch")
 
 
 def _evidence(record: dict, name: str) -> dict:

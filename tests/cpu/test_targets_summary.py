@@ -180,3 +180,14 @@ def test_a_greedy_divergence_passes_only_when_stock_batching_explains_it(
     late = evaluation | {"last_refit_step": 2048}
     write(tmp_path, "online_sts.json", body | {"evaluation": late, "greedy_identical": True})
     assert summarize(tmp_path, "depth-sts")[0][3]["passes"] is False
+
+
+def test_every_sps_configuration_of_the_sweep_counts_for_the_sps_mode():
+    """An sps arm the sweep adds (the FP8-head one, started apart) is a configuration of
+    the mode, not a rival it must reach 0.97x of."""
+    from offline_sweep import ARMS
+    from targets_summary import CAPACITY_ARMS, SPS_MODE_ARMS
+
+    sps = {arm for arm, options in ARMS.items() if (options or {}).get("dspark_capacity") == "sps"}
+    assert "sps-depth-plain-fp8" in sps and set(SPS_MODE_ARMS) == sps
+    assert {"budget", "threshold"} | sps == set(CAPACITY_ARMS)
