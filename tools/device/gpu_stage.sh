@@ -22,7 +22,8 @@
 #            threshold, sps (curve profiled at start-up), sps with dynamic depth, sps with
 #            plain steps, sps with both (one shared engine), then sps with both and the FP8
 #            draft head (an engine of its own), graphs to 2,048 tokens; ~22 min, longer
-#            than one call: run it from tools/device/queue.sh
+#            than one call: run it from tools/device/queue.sh; third and fourth
+#            arguments: other arms, other concurrencies
 #   fixed-k  no speculation against stock DSpark with K drafts (third argument, default 3),
 #            CUDA graphs to the fourth argument's tokens (default 1024), Qwen3-8B shape,
 #            end to end (vLLM; two engines, ~8 min: from the queue)
@@ -134,9 +135,9 @@ case "$stage" in
     # 2,048 tokens for every arm, as setup (a): with vLLM's 512, a speculative step at 256
     # requests runs the target and the drafter without graphs (README, graph sizes).
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-depth-plain,sps-depth-plain-fp8 \
+      --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-depth-plain,sps-depth-plain-fp8}" \
       --shared-engine \
-      --min-requests 32 --graphs-to 2048 --concurrency 1,16,64,256 --out "$OUT/$stage.json" \
+      --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" --out "$OUT/$stage.json" \
       2>&1 | quiet \
       | tee "$OUT/$stage.log" | tail -30
     ;;
