@@ -10,8 +10,8 @@ Reads from RESULTS_DIR what the GPU stages wrote (``tools/device/gpu_stage.sh``)
 (a) the embedded pair, (b) the Qwen3-8B shape with calibrated synthetic confidence) and
 the newest ``step_breakdown_overhead_*.json`` (``breakdown`` with ``conf-k7,all-k7``). For
 ``depth-sts`` (physical depth, DFlash's acceptance controller, online STS):
-``depth_time.json`` (``depth``), ``capacity_sweep.json`` (setup (b)'s ``sps`` and
-``sps-depth`` rows), ``dflash_acceptance.json`` (``dflash``) and ``online_sts.json``
+``depth_time.json`` (``depth``), ``capacity_sweep.json`` (setup (b)'s arms with and
+without dynamic depth), ``dflash_acceptance.json`` (``dflash``) and ``online_sts.json``
 (``sts``). Writes one entry per target: {target, passes, measured, evidence}, ``passes``
 None where its record is missing (named on standard error, never guessed).
 """
@@ -119,17 +119,38 @@ def depth_time(record: dict) -> dict:
     }
 
 
+def _without_depth(arm: str) -> str | None:
+    """The sweep arm with ``arm``'s options but dynamic depth (None if there is none)."""
+    options = {k: v for k, v in ARMS[arm].items() if k != "dspark_dynamic_depth"}
+    return next((other for other, opts in ARMS.items() if opts == options), None)
+
+
+DEPTH_ARMS = tuple(arm for arm in CAPACITY_ARMS if ARMS[arm].get("dspark_dynamic_depth"))
+
+
 def depth_gain(record: dict) -> dict:
-    """sps-depth against the best other arm of setup (b)'s run, at 64 and 256 requests."""
+    """Setup (b)'s run at 64 and 256 requests: the best arm with dynamic depth against the
+    best arm without it, and each depth arm against the same options without depth."""
     tok_s, run, _ = _setup(record, SWEEP_SETUP)
     measured = {}
     for concurrency in (64, 256):
-        best = _best_other(tok_s, "sps-depth", concurrency)
+        here = {arm: v for (arm, c), v in tok_s.items() if c == concurrency}
+        depth = {arm: v for arm, v in here.items() if arm in DEPTH_ARMS}
+        others = {arm: v for arm, v in here.items() if arm not in DEPTH_ARMS}
+        if not depth or not others:
+            continue
+        best_depth, best_other = max(depth, key=depth.get), max(others, key=others.get)
         measured[str(concurrency)] = {
-            "sps_depth": tok_s[("sps-depth", concurrency)],
-            "best_other_arm": best,
-            "best_other": tok_s[(best, concurrency)],
-            "gain": tok_s[("sps-depth", concurrency)] / tok_s[(best, concurrency)],
+            "best_depth_arm": best_depth,
+            "best_depth": depth[best_depth],
+            "best_other_arm": best_other,
+            "best_other": others[best_other],
+            "gain": depth[best_depth] / others[best_other],
+            "over_same_arm_without_depth": {
+                arm: value / here[_without_depth(arm)]
+                for arm, value in depth.items()
+                if _without_depth(arm) in here
+            },
         }
     return {
         "target": "throughput gain of physical depth over the best capacity arm, 64 and 256",

@@ -46,15 +46,15 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
 
     # On a machine where no queue ran (a fresh one, the earlier having gone back): said.
     assert "no queue on this machine" in queue("wait", "30")
-    assert "queued" in queue("start", "abc123", "breakdown:nospec,k1:2048", "bad")
+    assert "queued" in queue("start", "abc123", "fixed-k:3:1024:nospec,dspark", "bad")
     assert "queue done" in queue("wait", "30")
     with tarfile.open(out / "results.tar.gz") as archive:
         names = archive.getnames()
-        args = archive.extractfile("results/breakdown-1/args.txt").read().decode()
+        args = archive.extractfile("results/fixed-k-1/args.txt").read().decode()
         log = archive.extractfile("results/queue.log").read().decode()
     assert "results/bad-2/args.txt" in names
-    assert args.split() == ["breakdown", "abc123", "nospec,k1", "2048", "shared"]
-    assert "breakdown:nospec,k1:2048 rc=0" in log and "bad rc=1" in log
+    assert args.split() == ["fixed-k", "abc123", "3", "1024", "nospec,dspark", "shared"]
+    assert "fixed-k:3:1024:nospec,dspark rc=0" in log and "bad rc=1" in log
     # A second queue adds its results beside the first's.
     queue("start", "abc123", "again")
     queue("wait", "30")

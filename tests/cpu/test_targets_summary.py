@@ -34,6 +34,7 @@ def test_every_target_is_checked_from_its_record(tmp_path):
     setup = "qwen3-8b/confidence"
     current = {("sps", 64): 100.0, ("sps-depth", 64): 110.0, ("nospec", 64): 50.0}
     current |= {("sps", 256): 200.0, ("sps-depth", 256): 190.0, ("threshold", 256): 150.0}
+    current |= {("sps-plain", 256): 180.0, ("sps-depth-plain", 256): 198.0}
     # The other setup's run, listed first (as in the file), must not count.
     rows = sweep_rows("embedded", {("nospec", 64): 999.0, ("nospec", 256): 999.0})
     rows += sweep_rows(setup, current)
@@ -60,12 +61,14 @@ def test_every_target_is_checked_from_its_record(tmp_path):
     assert gain["passes"] is None  # a measurement, not a threshold
     assert gain["measured"]["64"]["gain"] == 1.1
     assert gain["evidence"]["commit"] == "new"  # setup (b)'s run, not the file's or (a)'s
-    assert gain["measured"]["256"] | {"gain": 0} == {
-        "sps_depth": 190.0,
-        "best_other_arm": "sps",
-        "best_other": 200.0,
-        "gain": 0,
-    }
+    # At 256 the best depth arm is sps-depth-plain, short of sps; against its own options
+    # without depth (sps-plain) it gains 10%.
+    at_256 = gain["measured"]["256"]
+    assert (at_256["best_depth_arm"], at_256["best_other_arm"]) == ("sps-depth-plain", "sps")
+    assert at_256["gain"] == pytest.approx(0.99)
+    assert at_256["over_same_arm_without_depth"] == pytest.approx(
+        {"sps-depth": 0.95, "sps-depth-plain": 1.1}
+    )
     # The plain-steps arm misses (0.99x); the other passes, so the target does.
     assert dflash_entry["passes"]
     assert dflash_entry["measured"]["dflash-acceptance"]["over_nospec_256"] == 1.01

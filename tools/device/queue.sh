@@ -4,7 +4,7 @@
 # 10-minute limit. Device time counts while the machine is held, busy or not: queue the
 # session's work once, then keep calling `wait` back to back.
 #
-#   bash tools/device/queue.sh start COMMIT STAGE[:ARG[:ARG]][+STAGE...][!] ...  # returns at once
+#   bash tools/device/queue.sh start COMMIT STAGE[:ARG...][+STAGE...][!] ...  # returns at once
 #   bash tools/device/queue.sh wait SECONDS   # until the queue ends or SECONDS pass, then
 #                                             # packs every result so far into $OUT
 #
@@ -45,11 +45,11 @@ case "$cmd" in
       [ "$side_by_side" = 1 ] && bash -c '. tools/device/bundle.sh install' >> "$root/log" 2>&1
       pids=()
       for member in "${group[@]}"; do
-        n=$((n + 1)); IFS=: read -r stage arg1 arg2 <<< "$member"
+        n=$((n + 1)); IFS=: read -ra args <<< "$member"; stage=${args[0]}
         out="$root/results/$stage-$n"; mkdir -p "$out"; caches=()
         [ "$side_by_side" = 1 ] && caches=(VLLM_CACHE_ROOT=/tmp/vcache_$n TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$n)
         env OUT="$out" "${caches[@]}" bash tools/device/gpu_stage.sh "$stage" "$commit" \
-          ${arg1:+"$arg1"} ${arg2:+"$arg2"} > "$out.log" 2>&1 &
+          "${args[@]:1}" > "$out.log" 2>&1 &
         pids+=($!)
       done
       rc=0
