@@ -50,6 +50,18 @@ SPS_MODE_ARMS = tuple(arm for arm in CAPACITY_ARMS if ARMS[arm]["dspark_capacity
 FIXED_K_ARMS = ("dspark",)
 
 
+def _without_depth(options: dict) -> str | None:
+    """The sweep arm with these options but dynamic depth (None if there is none)."""
+    options = {key: value for key, value in options.items() if key != "dspark_dynamic_depth"}
+    return next((arm for arm, other in ARMS.items() if other == options), None)
+
+
+# The capacity arms with dynamic depth, each with its counterpart without it (or None).
+DEPTH_ARMS = {
+    arm: _without_depth(ARMS[arm]) for arm in CAPACITY_ARMS if ARMS[arm].get("dspark_dynamic_depth")
+}
+
+
 def _evidence(record: dict, name: str) -> dict:
     return {"file": f"benchmarks/results/{name}"} | {
         key: record[key] for key in ("commit", "date", "device") if key in record
@@ -119,15 +131,6 @@ def depth_time(record: dict) -> dict:
     }
 
 
-def _without_depth(arm: str) -> str | None:
-    """The sweep arm with ``arm``'s options but dynamic depth (None if there is none)."""
-    options = {k: v for k, v in ARMS[arm].items() if k != "dspark_dynamic_depth"}
-    return next((other for other, opts in ARMS.items() if opts == options), None)
-
-
-DEPTH_ARMS = tuple(arm for arm in CAPACITY_ARMS if ARMS[arm].get("dspark_dynamic_depth"))
-
-
 def depth_gain(record: dict) -> dict:
     """Setup (b)'s run at 64 and 256 requests: the best arm with dynamic depth against the
     best arm without it, and each depth arm against the same options without depth."""
@@ -147,9 +150,9 @@ def depth_gain(record: dict) -> dict:
             "best_other": others[best_other],
             "gain": depth[best_depth] / others[best_other],
             "over_same_arm_without_depth": {
-                arm: value / here[_without_depth(arm)]
+                arm: value / here[DEPTH_ARMS[arm]]
                 for arm, value in depth.items()
-                if _without_depth(arm) in here
+                if DEPTH_ARMS[arm] in here
             },
         }
     return {
