@@ -46,7 +46,8 @@
 #   prefix   prefix caching on/off with shared prefixes, stock and plugin (vLLM; 4 engines)
 #   dflash   DFlash fixed k=7 against its acceptance-length controller (without and with
 #            dynamic depth and plain steps, one shared engine) and no speculation, Qwen3-8B
-#            shape, vLLM's synthetic acceptance (vLLM; three engines, ~10 min); third and
+#            shape, vLLM's synthetic acceptance, graphs to 2,048 tokens (vLLM; three
+#            engines, ~10 min); third and
 #            fourth arguments: other arms, other concurrencies
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
@@ -203,7 +204,9 @@ case "$stage" in
   dflash)
     vllm_env
     # The acceptance arms share one engine (started with depth graphs and plain steps).
-    timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine \
+    # Graphs to 2,048 tokens for every arm, as capacity-qwen3: at 94a15b3 (vLLM's 512), 103
+    # of dflash-depth's 193 steps at 256 requests (depth 2-3: 768-1,024 tokens) ran eager.
+    timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine --graphs-to 2048 \
       --arms "${3:-nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain}" \
       --concurrency "${4:-1,16,64,256}" --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
       | tee "$OUT/dflash.log" | tail -14
