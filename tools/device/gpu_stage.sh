@@ -47,8 +47,7 @@
 #   dflash   DFlash fixed k=7 against its acceptance-length controller (without and with
 #            dynamic depth and plain steps, one shared engine) and no speculation, Qwen3-8B
 #            shape, vLLM's synthetic acceptance, graphs to 2,048 tokens (vLLM; three
-#            engines, ~10 min); third and
-#            fourth arguments: other arms, other concurrencies
+#            engines, ~10 min); third and fourth arguments: other arms, other concurrencies
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
