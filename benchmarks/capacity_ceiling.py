@@ -23,6 +23,17 @@ End to end (``end_to_end_ceiling``), the batch of the capacity sweep's setup (b)
 requests at once, --output-len tokens each) keeps its time outside decode steps, its
 length less (output_len - 1) steps without speculation, and divides the rest by the
 decode ceiling.
+
+That division leaves out the batch's tail. Without speculation every request of the
+batch needs output_len - 1 decode steps; with it, each needs as many as its own
+acceptance draws take, and the batch lasts until its slowest request is done, on a
+shrinking batch. ``drain`` plays that out (``--drain-trials`` batches per depth) for
+fixed depths k with vLLM's synthetic acceptance (each draft accepted with its
+position's rate given the ones before), each step costing the median step measured at
+that depth (``DRAIN_SOURCES``: whole decode steps of fixed-k DSpark, linear in the
+requests between 1, 64 and 256). ``DRAIN_CHECK`` sets a measured end-to-end ratio beside
+the model's, and ``cut_ms_for`` says how much shorter every speculative step would have
+to be for the drained batch to reach a given ratio to no speculation.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import datetime
 import functools
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +64,16 @@ FORWARD_SOURCES = {
 }
 DEPTH_SOURCE = "depth_time.json"
 SWEEP_SOURCE = ("capacity_sweep.json", "qwen3-8b/confidence")
+# Whole decode steps of fixed-k DSpark (k drafts, K = k), one step-breakdown run with graphs
+# to 1,024 tokens, by k (0: no speculation).
+DRAIN_SOURCES = {
+    0: ("step_breakdown_graphs1024_a37526b.json", "nospec"),
+    1: ("step_breakdown_graphs1024_a37526b.json", "dspark-k1"),
+    3: ("step_breakdown_graphs1024_a37526b.json", "dspark-k3"),
+}
+# End to end, measured: (file, no-speculation arm, arm, k), the same graphs and machine kind.
+DRAIN_CHECK = ("fixed_k3_fp8_graphs1024_757bc32.json", "nospec", "dspark", 3)
+DRAIN_CONCURRENCY = (1, 16, 64, 256)
 
 
 @functools.cache
@@ -134,6 +156,81 @@ def end_to_end_ceiling(
     return batch_s / (batch_s - decode_s + decode_s / decode_ceiling)
 
 
+def drain_step_ms(results: Path, k: int) -> Callable[[int], float]:
+    """A decode step's median ms at depth k for any number of requests (linear between
+    the requests measured)."""
+    name, arm = DRAIN_SOURCES[k]
+    measured = sorted(
+        (r["concurrency"], r["step_ms_median"]) for r in _rows(results / name) if r["arm"] == arm
+    )
+    requests, ms = zip(*measured, strict=True)
+    return lambda num_reqs: float(np.interp(num_reqs, requests, ms))
+
+
+def drain(
+    step_ms: Callable[[int], float],
+    rates: list[float],
+    k: int,
+    concurrency: int,
+    output_len: int,
+    trials: int,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """(mean decode steps, mean decode ms) until every request of a batch has its
+    output_len - 1 tokens after the prefill's, at k drafts a step, each draft accepted
+    with its conditional rate while the ones before it were."""
+    rng = np.random.default_rng(seed)
+    conditional = np.asarray(conditional_rates(rates)[:k])
+    steps, ms = [], []
+    for _ in range(trials):
+        left = np.full(concurrency, output_len - 1)
+        count, elapsed = 0, 0.0
+        while (live := left > 0).any():
+            draws = rng.random((int(live.sum()), k)) < conditional
+            accepted = np.cumprod(draws, axis=1).sum(axis=1)
+            left[live] -= 1 + accepted
+            count += 1
+            elapsed += step_ms(int(live.sum()))
+        steps.append(count)
+        ms.append(elapsed)
+    return float(np.mean(steps)), float(np.mean(ms))
+
+
+def drained_batch(results: Path, rates: list[float], output_len: int, trials: int) -> list[dict]:
+    """Per concurrency: each fixed depth's drained batch against no speculation, end to end
+    (the measured batch's time outside decode steps kept), beside the measured ratio."""
+    check_name, nospec_arm, check_arm, check_k = DRAIN_CHECK
+    check = _rows(results / check_name)
+    nospec_step = drain_step_ms(results, 0)
+    rows = []
+    for concurrency in DRAIN_CONCURRENCY:
+        tok_s = {r["arm"]: r["tok_s"] for r in check if r["concurrency"] == concurrency}
+        batch_ms = concurrency * output_len / tok_s[nospec_arm] * 1000.0
+        decode_ms = (output_len - 1) * nospec_step(concurrency)
+        outside_ms = batch_ms - decode_ms
+        row = {"concurrency": concurrency, "outside_decode_ms": round(outside_ms, 1)}
+        for k in sorted(DRAIN_SOURCES)[1:]:
+            step_ms = drain_step_ms(results, k)
+            steps, ms = drain(step_ms, rates, k, concurrency, output_len, trials)
+            expected = 1.0 + float(np.sum(np.cumprod(conditional_rates(rates)[:k])))
+            no_tail_ms = (output_len - 1) / expected * step_ms(concurrency)
+            entry = {
+                "steps": round(steps, 1),
+                "steps_without_tail": round((output_len - 1) / expected, 1),
+                "end_to_end_over_nospec": round(batch_ms / (outside_ms + ms), 4),
+                "without_tail": round(batch_ms / (outside_ms + no_tail_ms), 4),
+                "cut_ms_for": {
+                    str(goal): round(max(0.0, (outside_ms + ms - batch_ms / goal) / steps), 2)
+                    for goal in (1.0, 1.1)
+                },
+            }
+            if k == check_k:
+                entry["measured"] = round(tok_s[check_arm] / tok_s[nospec_arm], 4)
+            row[f"k{k}"] = entry
+        rows.append(row)
+    return rows
+
+
 def sweep_nospec_tok_s(results: Path, concurrency: int) -> float:
     name, setup = SWEEP_SOURCE
     rows = _rows(results / name)
@@ -150,6 +247,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=64)
     parser.add_argument("--rates", default=DEFAULT_RATES)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--drain-trials", type=int, default=64)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -183,10 +281,16 @@ def main() -> int:
             {name for name, _ in FORWARD_SOURCES.values()} | {DEPTH_SOURCE, SWEEP_SOURCE[0]}
         ),
         "rows": rows,
+        "drained_batch": {
+            "sources": sorted({name for name, _ in DRAIN_SOURCES.values()} | {DRAIN_CHECK[0]}),
+            "rows": drained_batch(args.results, rates, args.output_len, args.drain_trials),
+        },
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for row in rows:
         print({k: v for k, v in row.items() if k != "inputs"})
+    for row in record["drained_batch"]["rows"]:
+        print(row)
     return 0
 
 

@@ -542,3 +542,23 @@ def test_the_capacity_ceiling_admits_what_pays_and_only_that():
     assert end_to_end_ceiling(1.0, 100.0, 4, 128, 10.0) == pytest.approx(1.0)
     # A batch that is all decode steps speeds up by the whole decode ceiling.
     assert end_to_end_ceiling(2.0, 4 * 128 / (1.27), 4, 128, 10.0) == pytest.approx(2.0)
+
+
+def test_a_drained_batch_lasts_until_its_slowest_request():
+    from capacity_ceiling import drain
+
+    def unit_step(num_reqs):
+        return 1.0
+
+    # Every draft accepted: no spread between requests, ceil(127 / 4) steps of 4 tokens.
+    assert drain(unit_step, [1.0, 1.0, 1.0], 3, 8, 128, trials=2) == (32.0, 32.0)
+    # None accepted: one token a step, as without speculation.
+    assert drain(unit_step, [0.0], 1, 8, 128, trials=2) == (127.0, 127.0)
+    # Acceptance drawn per request: a batch of many waits for its slowest, so it lasts
+    # longer than one request does on average, and its steps get cheaper as it drains.
+    rates = [0.8, 0.62, 0.48]
+    alone, _ = drain(unit_step, rates, 3, 1, 128, trials=200)
+    many, _ = drain(unit_step, rates, 3, 256, 128, trials=8)
+    assert many > alone * 1.1
+    steps, ms = drain(lambda num_reqs: num_reqs / 256, rates, 3, 256, 128, trials=8)
+    assert ms < steps
