@@ -86,7 +86,9 @@ them). The step itself, ``step_ms``, is measured independently of every phase ti
 host ``perf_counter`` time between consecutive ``execute_model`` entries.
 ``phases_sum_over_step`` is the sum of the phase medians over the median step (the
 issue's target: within 5%); ``gpu_step_ms_median`` (events between step starts) is
-a cross-check.
+a cross-check. ``batch_ms`` adds up the recorded batch's steps by kind (prefill, decode
+steps of all c requests, the tail's decode steps with fewer left, shadowed steps): what
+the batch spends beyond its steady-state median, which an end-to-end comparison pays.
 
 Inside CUDA graphs. The draft's backbone and its sequential Markov sampling + LM head
 run in ONE captured FULL graph (``_generate_draft``) whenever the batch fits a captured
@@ -741,6 +743,31 @@ def decode_steps(
     return kept, excluded
 
 
+def batch_time(records: list[dict], concurrency: int, window: int = SHADOW_WINDOW) -> dict:
+    """The recorded batch's wall time by kind of step, each step from its execute_model
+    entry to the next one's: ``prefill`` (a prefill in the batch), ``decode`` (all c
+    requests decoding), ``tail`` (fewer left: the batch waits for its slowest requests),
+    ``shadow_window`` (steps the within-graph re-runs lengthen; kept apart). The steady
+    state's median leaves out what the batch spends in its prefill and its tail."""
+    shadowed = {r["id"] + j for r in records if r.get("shadow") for j in range(window)}
+    kinds: dict[str, list[float]] = {}
+    for rec in records:
+        host = rec["host"]
+        if rec.get("num_reqs") is None or "next_exec_start" not in host:
+            continue
+        if rec["id"] in shadowed:
+            kind = "shadow_window"
+        elif rec["num_prefill"] > 0:
+            kind = "prefill"
+        else:
+            kind = "decode" if rec["num_reqs"] == concurrency else "tail"
+        kinds.setdefault(kind, []).append((host["next_exec_start"] - host["exec_start"]) * 1e3)
+    return {
+        kind: {"steps": len(ms), "ms": round(sum(ms), 3), "ms_median": round(_median(ms), 4)}
+        for kind, ms in sorted(kinds.items())
+    }
+
+
 def host_values(rec: dict, outputs: list[dict]) -> dict[str, float]:
     """Host busy times (ms) of one step; overlapping the GPU phases, so never added."""
     h = rec["host"]
@@ -807,6 +834,7 @@ def summarize(data: dict, concurrency: int, k: int, compacted: bool = False) -> 
         "steps_recorded": len(records),
         "steps_used": len(steps),
         "steps_excluded": excluded,
+        "batch_ms": batch_time(records, concurrency),
     }
     if not steps:
         return row | {"step_ms_median": None, "phases_ms": None, "phases_sum_over_step": None}

@@ -711,3 +711,27 @@ def test_the_embedded_pair_refuses_arms_its_drafter_was_not_trained_for(monkeypa
     with pytest.raises(SystemExit):
         sb.main()
     assert "k=7 arms only; not ['dspark-k3']" in capsys.readouterr().err
+
+
+def test_the_batch_time_splits_prefill_steady_state_and_tail():
+    records = [
+        record(0, prefill=4, host_step=30.0),
+        record(1, host_step=12.0),
+        record(2, host_step=10.0, shadow=True),
+        record(3, host_step=50.0),
+        record(4, host_step=10.0),
+        record(5, reqs=3, host_step=8.0),
+        record(6, reqs=1, host_step=6.0),
+        record(7, reqs=1),
+        {"id": 8, "gpu": {}, "host": {}},
+    ]
+    del records[7]["host"]["next_exec_start"]  # the batch's last step: nothing after it
+    split = sb.batch_time(records, concurrency=4, window=2)
+    assert split == {
+        "decode": {"steps": 2, "ms": pytest.approx(22.0), "ms_median": pytest.approx(11.0)},
+        "prefill": {"steps": 1, "ms": pytest.approx(30.0), "ms_median": pytest.approx(30.0)},
+        "shadow_window": {"steps": 2, "ms": pytest.approx(60.0), "ms_median": pytest.approx(30.0)},
+        "tail": {"steps": 2, "ms": pytest.approx(14.0), "ms_median": pytest.approx(7.0)},
+    }
+    row = sb.summarize({"records": records, "outputs": [], "shadow": []}, 4, 3)
+    assert row["batch_ms"] == sb.batch_time(records, concurrency=4)  # its shadow window
