@@ -747,10 +747,14 @@ def batch_time(records: list[dict], concurrency: int, window: int = SHADOW_WINDO
     """The recorded batch's wall time by kind of step, each step from its execute_model
     entry to the next one's: ``prefill`` (a prefill in the batch), ``decode`` (all c
     requests decoding), ``tail`` (fewer left: the batch waits for its slowest requests),
-    ``shadow_window`` (steps the within-graph re-runs lengthen; kept apart). The steady
-    state's median leaves out what the batch spends in its prefill and its tail."""
+    ``shadow_window`` (steps the within-graph re-runs lengthen; kept apart), with the
+    requests a step of each kind ran on average (in the tail, requests that finished a step
+    before may still be scheduled: async scheduling plans a step before the last one's
+    accepted tokens are known). The steady state's median leaves out what the batch
+    spends in its prefill and its tail."""
     shadowed = {r["id"] + j for r in records if r.get("shadow") for j in range(window)}
     kinds: dict[str, list[float]] = {}
+    requests: dict[str, int] = {}
     for rec in records:
         host = rec["host"]
         if rec.get("num_reqs") is None or "next_exec_start" not in host:
@@ -762,8 +766,14 @@ def batch_time(records: list[dict], concurrency: int, window: int = SHADOW_WINDO
         else:
             kind = "decode" if rec["num_reqs"] == concurrency else "tail"
         kinds.setdefault(kind, []).append((host["next_exec_start"] - host["exec_start"]) * 1e3)
+        requests[kind] = requests.get(kind, 0) + rec["num_reqs"]
     return {
-        kind: {"steps": len(ms), "ms": round(sum(ms), 3), "ms_median": round(_median(ms), 4)}
+        kind: {
+            "steps": len(ms),
+            "ms": round(sum(ms), 3),
+            "ms_median": round(_median(ms), 4),
+            "requests_per_step": round(requests[kind] / len(ms), 2),
+        }
         for kind, ms in sorted(kinds.items())
     }
 

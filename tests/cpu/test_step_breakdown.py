@@ -728,10 +728,10 @@ def test_the_batch_time_splits_prefill_steady_state_and_tail():
     del records[7]["host"]["next_exec_start"]  # the batch's last step: nothing after it
     split = sb.batch_time(records, concurrency=4, window=2)
     assert split == {
-        "decode": {"steps": 2, "ms": pytest.approx(22.0), "ms_median": pytest.approx(11.0)},
-        "prefill": {"steps": 1, "ms": pytest.approx(30.0), "ms_median": pytest.approx(30.0)},
-        "shadow_window": {"steps": 2, "ms": pytest.approx(60.0), "ms_median": pytest.approx(30.0)},
-        "tail": {"steps": 2, "ms": pytest.approx(14.0), "ms_median": pytest.approx(7.0)},
+        "decode": {"steps": 2, "ms": 22.0, "ms_median": 11.0, "requests_per_step": 4.0},
+        "prefill": {"steps": 1, "ms": 30.0, "ms_median": 30.0, "requests_per_step": 4.0},
+        "shadow_window": {"steps": 2, "ms": 60.0, "ms_median": 30.0, "requests_per_step": 4.0},
+        "tail": {"steps": 2, "ms": 14.0, "ms_median": 7.0, "requests_per_step": 2.0},
     }
     row = sb.summarize({"records": records, "outputs": [], "shadow": []}, 4, 3)
     assert row["batch_ms"] == sb.batch_time(records, concurrency=4)  # its shadow window
