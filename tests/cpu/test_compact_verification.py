@@ -31,6 +31,17 @@ def uniform_batch(num_reqs, computed):
     return batch, buffers
 
 
+def runner_with(speculator, buffers, max_len=10_000):
+    """A runner as compaction reads it: input buffers, the speculator, and per request
+    slot the longest its sequence may grow (prompt + max_tokens)."""
+    max_seq_len = np.full(16, max_len, dtype=np.int32)
+    return SimpleNamespace(
+        input_buffers=buffers,
+        speculator=speculator,
+        req_states=SimpleNamespace(max_seq_len=max_seq_len),
+    )
+
+
 def test_kernel_path_under_triton_interpreter():
     assert run_interpreted(__file__) == 1
 
@@ -50,14 +61,14 @@ def check_compacted_batch(speculator):
     num_reqs = 3
     batch, buffers = uniform_batch(num_reqs, computed=[10, 20, 30])
     batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)  # request slots
+    batch.idx_mapping_np = batch.idx_mapping.numpy()
     # Slot 5 is confident, slot 2 not at all, slot 9 in between.
     speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
     speculator.slot_survival[2] = torch.full((K,), 0.01)
     speculator.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
     budget = speculator.admission_budget(num_reqs)  # ceil(3 * 7 * 0.25) = 6
     assert budget == 6
-    runner = SimpleNamespace(input_buffers=buffers, speculator=speculator)
-    compact = compact_input_batch(runner, batch, budget)
+    compact = compact_input_batch(runner_with(speculator, buffers), batch, budget)
     # Best 6: slot 5's first five (0.99 .. 0.93 > 0.5) and slot 9's first (0.95).
     lengths = [1 + 5, 1 + 0, 1 + 1]
     assert compact.num_tokens == num_reqs + budget == sum(lengths)
@@ -73,6 +84,26 @@ def check_compacted_batch(speculator):
     assert compact.num_draft_tokens == budget
     assert speculator.drafts_admitted == budget and speculator.drafts_proposed == num_reqs * K
     assert (speculator.compacted_steps, speculator.graph_steps) == (1, 0)
+
+
+def test_drafts_a_request_cannot_emit_before_max_tokens_go_to_the_others(speculator):
+    from vllm_dspark.patches.compact_verification import compact_input_batch
+
+    batch, buffers = uniform_batch(3, computed=[10, 20, 30])
+    batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)
+    batch.idx_mapping_np = batch.idx_mapping.numpy()
+    speculator.slot_survival[[5, 2, 9]] = torch.linspace(0.99, 0.9, K)  # alike
+    # Slot 5 (11 tokens so far) may reach 13: two more, one of them the bonus token, so one
+    # draft of use. Slot 2 (21 so far) was finished by the step before (async scheduling
+    # still scheduled it): none. Slot 9 may grow past this step.
+    runner = runner_with(speculator, buffers)
+    runner.req_states.max_seq_len[[5, 2, 9]] = [13, 20, 1000]
+    budget = speculator.admission_budget(3)  # ceil(3 * 7 * 0.25) = 6
+    compact = compact_input_batch(runner, batch, budget)
+    # Without the caps each would verify 2 drafts; capped, slot 9 takes the rest.
+    assert compact.cu_num_logits.tolist() == [0, 2, 3, 9]
+    assert compact.num_tokens == 3 + budget
+    assert buffers.seq_lens[:3].tolist() == [10 + 2, 20 + 1, 30 + 6]
 
 
 def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_speculator):
@@ -92,6 +123,7 @@ def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_s
     batch = dataclasses.replace(
         batch,
         idx_mapping=torch.tensor([5, 2, 9], dtype=torch.int32),
+        idx_mapping_np=np.array([5, 2, 9], dtype=np.int32),
         logits_indices=torch.arange(uniform),  # every token's logits, as for decode
     )
     inputs_before = [t.clone() for t in (buffers.input_ids, buffers.positions, buffers.seq_lens)]
@@ -99,7 +131,7 @@ def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_s
     speculator.slot_survival[2] = torch.full((K,), 0.01)
     speculator.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
     budget = speculator.admission_budget(num_reqs)
-    masked = patch.masked_input_batch(SimpleNamespace(speculator=speculator), batch, budget)
+    masked = patch.masked_input_batch(runner_with(speculator, buffers), batch, budget)
     # As compacted: slot 5 verifies 5 drafts, slot 2 none, slot 9 one.
     assert masked.cu_num_logits.tolist() == [0, 6, 7, 9]
     assert masked.expanded_idx_mapping.tolist() == [5] * 6 + [2] + [9] * 2

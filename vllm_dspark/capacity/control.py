@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 
 from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth, position_counts
 from vllm_dspark.capacity.allocation import (
+    UNCOMPUTED_SURVIVAL,
     admission_budget,
     best_rates_by_depth,
     budget_capacity,
@@ -501,12 +502,21 @@ class CapacityControl:
         self.steps_since_varied = 0
         return budget // 2
 
-    def verify_capacity(self, slots: torch.Tensor, budget: int) -> torch.Tensor:
+    def verify_capacity(
+        self, slots: torch.Tensor, budget: int, emit_room: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """k_r of each request: the same depth for all (acceptance), else the ``budget``
-        best slots by proposal-time survival."""
+        best slots by proposal-time survival, where a request's slots past ``emit_room``
+        (the drafts it can still emit before its max_tokens,
+        :func:`vllm_dspark.patches.compact_verification.emit_room`) come last:
+        the budget goes to requests that can use it."""
         if self.acceptance is not None:
             return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
-        return budget_capacity(self.slot_survival[slots], budget)
+        survival = self.slot_survival[slots]
+        if emit_room is not None:
+            positions = torch.arange(survival.shape[-1], device=survival.device)
+            survival = survival.masked_fill(positions >= emit_room[:, None], UNCOMPUTED_SURVIVAL)
+        return budget_capacity(survival, budget)
 
     def record_admission(
         self, req_ids: list[str], budget: int, from_graph: bool, capacity: torch.Tensor

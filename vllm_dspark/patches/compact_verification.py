@@ -226,6 +226,21 @@ def _make_dummy_batch_wrapper(make_dummy):
     return make_dummy_with_decode_queries
 
 
+def emit_room(runner, batch) -> torch.Tensor:
+    """Per request of a uniform decode step, how many of its K drafts it could still use:
+    its length may not pass prompt + max_tokens (vLLM's ``max_seq_len``), and a step
+    emits the accepted drafts plus one token. A request that the step before has already
+    finished (async scheduling plans a step before the last one's accepted tokens are
+    known) has none. Read from the stock batch's sequence lengths, num_computed + 1 + K on
+    the device (the last step's acceptance included), before they are compacted; known
+    before the drafts are verified, so admitting by it stays lossless."""
+    num_drafts = runner.speculator.num_speculative_steps
+    seq_lens = runner.input_buffers.seq_lens[: batch.num_reqs]
+    max_len = torch.from_numpy(runner.req_states.max_seq_len[batch.idx_mapping_np])
+    max_len = max_len.to(seq_lens.device, non_blocking=True)
+    return (max_len - seq_lens + num_drafts - 1).clamp(min=0)
+
+
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     """The stock uniform batch rewritten to its compact layout of R + budget tokens
     (``from_graph``: the step replays a FULL graph, counted for the metrics). On a GPU one
@@ -236,7 +251,7 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     num_reqs = batch.num_reqs
     num_tokens = num_reqs + budget
     buffers = runner.input_buffers
-    capacity = speculator.verify_capacity(batch.idx_mapping, budget)
+    capacity = speculator.verify_capacity(batch.idx_mapping, budget, emit_room(runner, batch))
     if use_triton(buffers.input_ids):
         expanded_idx, local_pos, logits_indices = compact_on_device(
             capacity,
@@ -287,7 +302,7 @@ def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
     cannot take a compacted batch; it saves the verification's sampling work, not its
     forward."""
     speculator = runner.speculator
-    capacity = speculator.verify_capacity(batch.idx_mapping, budget)
+    capacity = speculator.verify_capacity(batch.idx_mapping, budget, emit_room(runner, batch))
     layout = compact_layout(capacity, speculator.num_speculative_steps, batch.num_reqs + budget)
     speculator.masked_drafts = layout.dropped
     return _admitted_batch(
