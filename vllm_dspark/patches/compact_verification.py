@@ -45,6 +45,7 @@ from contextvars import ContextVar
 import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
 
 from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
 from vllm_dspark.triton_path import use_triton
@@ -237,7 +238,8 @@ def emit_room(runner, batch) -> torch.Tensor:
     num_drafts = runner.speculator.num_speculative_steps
     seq_lens = runner.input_buffers.seq_lens[: batch.num_reqs]
     max_len = torch.from_numpy(runner.req_states.max_seq_len[batch.idx_mapping_np])
-    max_len = max_len.to(seq_lens.device, non_blocking=True)
+    if seq_lens.is_cuda:  # through pinned memory: a pageable copy would wait for the stream
+        max_len = async_copy_to_gpu(max_len, device=seq_lens.device)
     return (max_len - seq_lens + num_drafts - 1).clamp(min=0)
 
 
