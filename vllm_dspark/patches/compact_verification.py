@@ -243,6 +243,15 @@ def emit_room(runner, batch) -> torch.Tensor:
     return (max_len - seq_lens + num_drafts - 1).clamp(min=0)
 
 
+def step_capacity(runner, batch, budget: int) -> torch.Tensor:
+    """k_r of each request of the step (:meth:`CapacityControl.verify_capacity`); the emit
+    room only where the budget is split by survival (``acceptance`` verifies one depth for
+    all and would discard it)."""
+    speculator = runner.speculator
+    room = None if speculator.acceptance is not None else emit_room(runner, batch)
+    return speculator.verify_capacity(batch.idx_mapping, budget, room)
+
+
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     """The stock uniform batch rewritten to its compact layout of R + budget tokens
     (``from_graph``: the step replays a FULL graph, counted for the metrics). On a GPU one
@@ -253,7 +262,7 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     num_reqs = batch.num_reqs
     num_tokens = num_reqs + budget
     buffers = runner.input_buffers
-    capacity = speculator.verify_capacity(batch.idx_mapping, budget, emit_room(runner, batch))
+    capacity = step_capacity(runner, batch, budget)
     if use_triton(buffers.input_ids):
         expanded_idx, local_pos, logits_indices = compact_on_device(
             capacity,
@@ -304,7 +313,7 @@ def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
     cannot take a compacted batch; it saves the verification's sampling work, not its
     forward."""
     speculator = runner.speculator
-    capacity = speculator.verify_capacity(batch.idx_mapping, budget, emit_room(runner, batch))
+    capacity = step_capacity(runner, batch, budget)
     layout = compact_layout(capacity, speculator.num_speculative_steps, batch.num_reqs + budget)
     speculator.masked_drafts = layout.dropped
     return _admitted_batch(
