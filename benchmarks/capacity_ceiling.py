@@ -202,6 +202,7 @@ def drained_batch(results: Path, rates: list[float], output_len: int, trials: in
     check_name, nospec_arm, check_arm, check_k = DRAIN_CHECK
     check = _rows(results / check_name)
     nospec_step = drain_step_ms(results, 0)
+    speculative = {k: drain_step_ms(results, k) for k in sorted(DRAIN_SOURCES) if k}
     rows = []
     for concurrency in DRAIN_CONCURRENCY:
         tok_s = {r["arm"]: r["tok_s"] for r in check if r["concurrency"] == concurrency}
@@ -209,10 +210,9 @@ def drained_batch(results: Path, rates: list[float], output_len: int, trials: in
         decode_ms = (output_len - 1) * nospec_step(concurrency)
         outside_ms = batch_ms - decode_ms
         row = {"concurrency": concurrency, "outside_decode_ms": round(outside_ms, 1)}
-        for k in sorted(DRAIN_SOURCES)[1:]:
-            step_ms = drain_step_ms(results, k)
+        for k, step_ms in speculative.items():
             steps, ms = drain(step_ms, rates, k, concurrency, output_len, trials)
-            expected = 1.0 + float(np.sum(np.cumprod(conditional_rates(rates)[:k])))
+            expected = 1.0 + sum(rates[:k])  # tokens a step gains: the unconditional rates
             no_tail_ms = (output_len - 1) / expected * step_ms(concurrency)
             entry = {
                 "steps": round(steps, 1),

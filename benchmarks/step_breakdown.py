@@ -723,6 +723,11 @@ def step_exclusion(
     return None
 
 
+def shadowed_ids(records: list[dict], window: int) -> set[int]:
+    """Steps a within-graph shadow re-run lengthens: its own and the ``window`` - 1 after."""
+    return {r["id"] + j for r in records if r.get("shadow") for j in range(window)}
+
+
 def decode_steps(
     records: list[dict],
     concurrency: int,
@@ -732,7 +737,7 @@ def decode_steps(
 ) -> tuple[list[dict], dict[str, int]]:
     """Pure decode steps with c requests of 1 + k tokens each (with ``compacted``, of
     1 to 1 + k), and the excluded counts."""
-    shadowed = {r["id"] + j for r in records if r.get("shadow") for j in range(window)}
+    shadowed = shadowed_ids(records, window)
     kept, excluded = [], {}
     for rec in records:
         reason = step_exclusion(rec, concurrency, k, shadowed, compacted)
@@ -752,7 +757,7 @@ def batch_time(records: list[dict], concurrency: int, window: int = SHADOW_WINDO
     before may still be scheduled: async scheduling plans a step before the last one's
     accepted tokens are known). The steady state's median leaves out what the batch
     spends in its prefill and its tail."""
-    shadowed = {r["id"] + j for r in records if r.get("shadow") for j in range(window)}
+    shadowed = shadowed_ids(records, window)
     kinds: dict[str, list[float]] = {}
     requests: dict[str, int] = {}
     for rec in records:
