@@ -21,9 +21,12 @@ proposal the draft gate skips counts with its context-KV work only. ``conf-k1`` 
 acceptance, whose own host work the sps arms also pay; ``all-k7`` and ``compact-k7``
 add capacity control that admits every draft or 0.99 of them (every step compacted), so
 that their steps against ``conf-k7``'s are the controller's and the compaction's own
-cost. ``fp8-k1`` / ``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the plugin's rowwise
-FP8 draft LM head (``dspark_fp8_draft_head``): that head's share of the drafter's cost. For each
-concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
+cost. ``plain-k3`` / ``plain-k7`` are ``sps`` with plain steps (``dspark_plain_steps``),
+and ``closed-k3`` the same with a draft gate that never opens: its steps are the plain
+decode steps of a speculative engine, which the gate weighs drafting against.
+``fp8-k1`` / ``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the plugin's rowwise FP8
+draft LM head (``dspark_fp8_draft_head``): that head's share of the drafter's cost. For
+each concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
 tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
 
 Block size. vLLM 0.26.0 refuses ``num_speculative_tokens`` below the block only when
@@ -176,6 +179,10 @@ ARMS = {
     # sps whose closed draft gate schedules plain decode steps (dspark_plain_steps).
     "plain-k3": (3, "sps", {"dspark_plain_steps": True}),
     "plain-k7": (7, "sps", {"dspark_plain_steps": True}),
+    # The same with a draft gate that stays closed (each step's overhead taken as 1 s, so
+    # drafting never pays): plain decode steps of a speculative engine, but for a probe
+    # every 64 proposals; against nospec's, what the gate weighs as a plain step's cost.
+    "closed-k3": (3, "sps", {"dspark_plain_steps": True, "dspark_step_overhead_ms": 1000.0}),
 }
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).

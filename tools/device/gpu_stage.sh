@@ -34,7 +34,8 @@
 #   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two or three
 #            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
-#            fourth, graphs up to that many tokens per step (--graphs-to)
+#            fourth, graphs up to that many tokens per step (--graphs-to); an optional
+#            fifth, the concurrencies (default 1,64,256)
 #   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7, plain-k7
 #            (or the arms given as third argument), graphs to 2048 tokens (~7 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
@@ -170,7 +171,8 @@ case "$stage" in
     name=step_breakdown${4:+_graphs$4}
     merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
     timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
-      ${4:+--graphs-to "$4"} --host-profile 40 --out "$OUT/$name.json" 2>&1 | quiet | tail -20
+      ${4:+--graphs-to "$4"} ${5:+--concurrency "$5"} --host-profile 40 --out "$OUT/$name.json" \
+      2>&1 | quiet | tail -20
     cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
   breakdown-embedded)
