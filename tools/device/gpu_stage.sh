@@ -35,7 +35,8 @@
 #            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
 #            call merges the earlier rows, kept in /tmp on the warm machine); an optional
 #            fourth, graphs up to that many tokens per step (--graphs-to); an optional
-#            fifth, the concurrencies (default 1,64,256)
+#            fifth, the concurrencies (default 1,64,256); a sixth, the steps re-run for the
+#            within-graph split (default 2; 0: none, every step of the batch as it ran)
 #   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7, plain-k7
 #            (or the arms given as third argument), graphs to 2048 tokens (~7 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without
@@ -171,7 +172,8 @@ case "$stage" in
     name=step_breakdown${4:+_graphs$4}
     merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
     timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
-      ${4:+--graphs-to "$4"} ${5:+--concurrency "$5"} --host-profile 40 --out "$OUT/$name.json" \
+      ${4:+--graphs-to "$4"} ${5:+--concurrency "$5"} ${6:+--shadow-steps "$6"} \
+      --host-profile 40 --out "$OUT/$name.json" \
       2>&1 | quiet | tail -20
     cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
