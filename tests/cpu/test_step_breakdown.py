@@ -735,3 +735,23 @@ def test_the_batch_time_splits_prefill_steady_state_and_tail():
     }
     row = sb.summarize({"records": records, "outputs": [], "shadow": []}, 4, 3)
     assert row["batch_ms"] == sb.batch_time(records, concurrency=4)  # its shadow window
+
+
+def test_prefill_steps_lists_each_prefill_step_and_the_one_after():
+    records = [
+        {"id": 0, "gpu": {}, "host": {}},  # execute_model returned before its batch
+        record(1, prefill=4, tokens=300, host_step=40.0, gpu_step=38.0),
+        record(2, prefill=2, tokens=150, host_step=90.0),
+        record(3, host_step=12.0),
+        record(4, host_step=11.0),
+    ]
+    steps = sb.prefill_steps(records)
+    assert [(s["prefilling"], s["tokens"], s["ms"]) for s in steps] == [
+        (4, 300, 40.0),
+        (2, 150, 90.0),
+        (0, 16, 12.0),
+    ]
+    assert steps[0]["gpu_ms"] == 38.0
+    assert steps[0]["segments_ms"]["target_forward"] == 4.0
+    assert sb.prefill_steps(records[3:]) == []  # no prefill recorded
+    assert len(sb.prefill_steps(records[:3])) == 2  # the batch ends on its last prefill

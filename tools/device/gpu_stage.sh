@@ -31,9 +31,9 @@
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
 #            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
-#   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (two or three
-#            per call, e.g. "nospec,dspark-k1,dspark-k3" then "dspark-k7,sps-k7": a later
-#            call merges the earlier rows, kept in /tmp on the warm machine); an optional
+#   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (each an
+#            engine of ~3 min on an H100: from the queue; a later call merges the earlier
+#            rows, kept in /tmp on the warm machine); an optional
 #            fourth, graphs up to that many tokens per step (--graphs-to); an optional
 #            fifth, the concurrencies (default 1,64,256); a sixth, the steps re-run for the
 #            within-graph split (default 2; 0: none, every step of the batch as it ran)
@@ -171,7 +171,7 @@ case "$stage" in
     # Rows merge only with earlier rows of the same engine arguments (graphs or not).
     name=step_breakdown${4:+_graphs$4}
     merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
-    timeout 580 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
+    timeout 900 python3 benchmarks/step_breakdown.py --arms "${3:?arms}" "${merge[@]}" \
       ${4:+--graphs-to "$4"} ${5:+--concurrency "$5"} ${6:+--shadow-steps "$6"} \
       --host-profile 40 --out "$OUT/$name.json" \
       2>&1 | quiet | tail -20
