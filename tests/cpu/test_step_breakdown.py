@@ -727,12 +727,14 @@ def test_the_batch_time_splits_prefill_steady_state_and_tail():
     ]
     del records[7]["host"]["next_exec_start"]  # the batch's last step: nothing after it
     split = sb.batch_time(records, concurrency=4, window=2)
-    assert split == {
-        "decode": {"steps": 2, "ms": 22.0, "ms_median": 11.0, "requests_per_step": 4.0},
-        "prefill": {"steps": 1, "ms": 30.0, "ms_median": 30.0, "requests_per_step": 4.0},
-        "shadow_window": {"steps": 2, "ms": 60.0, "ms_median": 30.0, "requests_per_step": 4.0},
-        "tail": {"steps": 2, "ms": 14.0, "ms_median": 7.0, "requests_per_step": 2.0},
+    kinds = {
+        "decode": (2, 22.0, 20.0, 11.0, 4.0),
+        "prefill": (1, 30.0, 10.0, 30.0, 4.0),
+        "shadow_window": (2, 60.0, 20.0, 30.0, 4.0),
+        "tail": (2, 14.0, 20.0, 7.0, 2.0),
     }
+    fields = ("steps", "ms", "gpu_ms", "ms_median", "requests_per_step")
+    assert split == {kind: dict(zip(fields, v, strict=True)) for kind, v in kinds.items()}
     row = sb.summarize({"records": records, "outputs": [], "shadow": []}, 4, 3)
     assert row["batch_ms"] == sb.batch_time(records, concurrency=4)  # its shadow window
 
