@@ -356,6 +356,33 @@ def test_plain_steps_are_fitted_apart_and_published_a_window_late():
     assert overhead.per_step_seconds(64) == pytest.approx(2e-3 + 20e-6 * 64, rel=0.01)
 
 
+def test_a_plain_step_is_priced_at_most_as_a_speculative_step_verifying_nothing():
+    # Speculative steps: 1 ms + 10 us per request outside the curve; plain steps read as
+    # 2 ms + 30 us per request (samples holding the speculative step before them), in runs
+    # of 8 whose batch size varies between windows.
+    clock = FakeClock()
+    overhead = StepOverhead(CPU, clock=clock)
+    overhead.observe(0, 0.0, 0.0)
+    previous_period = 0.0
+    for window in range(6):
+        for i in range(WINDOW):
+            plain = i < 8
+            num_reqs = 64 + 32 * window + 8 * (i % 3)
+            rest = 2e-3 + 30e-6 * num_reqs if plain else 1e-3 + 10e-6 * num_reqs
+            clock.now += previous_period
+            previous_period = 1e-3 + rest
+            overhead.observe(0, 1e-3, 0.0, num_reqs, plain=plain)  # no draft verified
+    assert overhead.plain_seconds + overhead.plain_per_request_seconds * 256 == pytest.approx(
+        2e-3 + 30e-6 * 256, rel=0.05
+    )
+    bound = overhead.per_step_seconds(256) + overhead.skip_seconds
+    assert bound == pytest.approx(1e-3 + 10e-6 * 256, rel=0.05)
+    assert overhead.plain_step_seconds(256) == bound
+    given = StepOverhead(CPU, fixed_seconds=1e-3)  # O given: nothing fitted, nothing held
+    given.plain_seconds, given.plain_per_request_seconds = 2e-3, 30e-6
+    assert given.plain_step_seconds(256) == pytest.approx(2e-3 + 30e-6 * 256)
+
+
 def run_plain_closed_loop(speculator, clock, num_reqs, survival, num_steps, period, plain_s):
     """As :func:`run_closed_loop` with plain steps: the scheduler takes each gate report
     for the steps it schedules from then on, and the running step was scheduled before the

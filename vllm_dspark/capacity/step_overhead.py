@@ -53,7 +53,14 @@ and 11.4 ms (``step_breakdown.json``, 30752a7), and the gate kept drafting at 25
 no speculation was faster. How much of that excess was such samples and how much the
 plugin's plain step itself (1.33-1.45x a step of no speculation on the embedded pair,
 0437bee) is still to be measured. A sample counts only when the step before it was of its
-kind (``SETTLE``).
+kind (``SETTLE``). A plain step does a part of what a speculative step after a skipped
+proposal does (the same forward, context K/V stored, no speculative path), so its price is
+held at most O + a R + S: where its fit says more, the fit is wrong, and the gate with plain
+steps would keep drafting where the gate without them closes. In the DFlash and ``sps``
+runs on the Qwen3-8B shape (757bc32, 5b1d70a, H200) P + p R came to 1.9-4.3 ms + 29-39 us
+per request, 9.8-12.0 ms at 256 requests, where O + a R + S came to 4.8-6.2 ms in every
+arm but one (11.4, its S 6.2 ms), and a whole step of no speculation spends about 4.1 ms
+outside the curve (``step_breakdown_graphs1024_a37526b.json``).
 """
 
 from __future__ import annotations
@@ -154,10 +161,14 @@ class StepOverhead:
         return self.seconds + self.per_request_seconds * num_reqs
 
     def plain_step_seconds(self, num_reqs: int) -> float | None:
-        """P + p R: a plain decode step's time outside the curve (None: not measured)."""
+        """P + p R: a plain decode step's time outside the curve (None: not measured), at
+        most O + a R + S, a speculative step's after a skipped proposal."""
         if self.plain_seconds <= 0.0:
             return None
-        return self.plain_seconds + self.plain_per_request_seconds * num_reqs
+        plain = self.plain_seconds + self.plain_per_request_seconds * num_reqs
+        if not self.measuring:
+            return plain
+        return min(plain, self.per_step_seconds(num_reqs) + self.skip_seconds)
 
     def observe(
         self,
