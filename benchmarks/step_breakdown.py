@@ -161,6 +161,14 @@ FP8_HEAD = {"dspark_fp8_draft_head": True}
 # on conf-k7's acceptance: their steps against conf-k7's are the controller's and the
 # compaction's own cost (the capacity issue's "overhead at most 3%" at 64 requests).
 BUDGET = {"dspark_capacity": "budget", "dspark_varlen_verify": True}
+# A draft gate that never opens: on this SPS curve a step's time grows as T^4 (tokens per
+# step), so a step of R requests verifying j drafts each takes (1 + j)^4 >= 16 times one
+# without, for at most 1 + j times the tokens; the step overhead is given, so the gate
+# decides from the first step on.
+NEVER_DRAFT = {
+    "dspark_sps_curve": [[2**i, 1e4 * 2.0 ** (-4 * i)] for i in range(13)],
+    "dspark_step_overhead_ms": 1.0,
+}
 ARMS = {
     "nospec": (0, "rates", {}),
     "dspark-k1": (1, "rates", {}),
@@ -179,10 +187,10 @@ ARMS = {
     # sps whose closed draft gate schedules plain decode steps (dspark_plain_steps).
     "plain-k3": (3, "sps", {"dspark_plain_steps": True}),
     "plain-k7": (7, "sps", {"dspark_plain_steps": True}),
-    # The same with a draft gate that stays closed (each step's overhead taken as 1 s, so
-    # drafting never pays): plain decode steps of a speculative engine, but for a probe
-    # every 64 proposals; against nospec's, what the gate weighs as a plain step's cost.
-    "closed-k3": (3, "sps", {"dspark_plain_steps": True, "dspark_step_overhead_ms": 1000.0}),
+    # The same with a draft gate that stays closed: plain decode steps of a speculative
+    # engine, but for a probe every 64 proposals; against nospec's, what the gate weighs as
+    # a plain step's cost.
+    "closed-k3": (3, "sps", {"dspark_plain_steps": True} | NEVER_DRAFT),
 }
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).

@@ -757,3 +757,21 @@ def test_prefill_steps_lists_each_prefill_step_and_the_one_after():
     assert steps[0]["segments_ms"]["target_forward"] == 4.0
     assert sb.prefill_steps(records[3:]) == []  # no prefill recorded
     assert len(sb.prefill_steps(records[:3])) == 2  # the batch ends on its last prefill
+
+
+def test_the_closed_breakdown_arm_keeps_the_draft_gate_closed(plugin_speculator):
+    """step_breakdown's closed-k3 options: plain steps throughout, but for a probe every
+    PROBE_EVERY proposals (its first step: the gate decides from the start)."""
+    from test_compact_verification import K
+    from test_step_overhead import FakeClock, run_plain_closed_loop
+
+    from vllm_dspark.capacity.draft_gate import PROBE_EVERY
+
+    speculator = plugin_speculator(dspark_capacity="sps", **sb.ARMS["closed-k3"][2])
+    speculator.set_draft_cost({K: [(1, 0.5), (256, 3.0)]})
+    num_reqs, num_steps = 100, 4 * PROBE_EVERY
+    survival = torch.cumprod(torch.full((num_reqs, K), 0.9), dim=1)
+    plain = run_plain_closed_loop(
+        speculator, FakeClock(), num_reqs, survival, num_steps, lambda *_: 0.03, 0.01
+    )
+    assert sum(not p for p in plain) <= num_steps // PROBE_EVERY * 3 + 3
