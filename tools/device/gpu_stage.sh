@@ -33,10 +33,10 @@
 #            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
 #   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (each an
 #            engine of ~3 min on an H100: from the queue; a later call merges the earlier
-#            rows, kept in /tmp on the warm machine); an optional
-#            fourth, graphs up to that many tokens per step (--graphs-to); an optional
-#            fifth, the concurrencies (default 1,64,256); a sixth, the steps re-run for the
-#            within-graph split (default 2; 0: none, every step of the batch as it ran)
+#            rows, kept in /tmp on the warm machine); optional: a fourth, graphs up to
+#            that many tokens per step (--graphs-to); a fifth, the concurrencies (default
+#            1,64,256); a sixth, the steps re-run for the within-graph split (default 2;
+#            0: none, every step of the batch as it ran)
 #   breakdown-embedded  the same on the embedded pair: nospec, dspark-k7, sps-k7, plain-k7
 #            (or the arms given as third argument), graphs to 2048 tokens (~7 min)
 #   tp       tensor parallelism 2 (and 4) with every capacity option, against TP 1 without

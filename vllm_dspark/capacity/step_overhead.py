@@ -166,8 +166,6 @@ class StepOverhead:
         if self.plain_seconds <= 0.0:
             return None
         plain = self.plain_seconds + self.plain_per_request_seconds * num_reqs
-        if not self.measuring:
-            return plain
         return min(plain, self.per_step_seconds(num_reqs) + self.skip_seconds)
 
     def observe(
