@@ -22,14 +22,19 @@ started with what they all need and switched between arms
 ``--num-drafts`` sets K for every speculating arm (dummy shapes; default 7).
 ``--tensor-parallel-size`` runs every engine on that many GPUs; each speculating row
 then says whether every rank's admissions were identical (``ranks_agree``: the ranks
-must verify the same batches). The JSON is written after every engine, so a later
-failure keeps the rows already measured.
+must verify the same batches). Engines run in the order of their first arm in ``--arms``
+(a shared engine where its first capacity arm stands). Rows are read as each engine
+prints them and the JSON is rewritten after every row, so a run cut short (a failure, or
+a device machine taken back mid-engine) keeps every row already measured; each row says
+how long its engine took to start (``engine_start_s``) and its own measurement
+(``wall_s``), to plan what fits a device session.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -262,6 +267,7 @@ def run_arm_here(spec: dict) -> None:
     if speculative is not None:
         # admission_counts_per_rank() reads the speculators' counters in the workers.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    started = time.monotonic()  # not perf_counter: the tests' fake clock times batches
     llm = LLM(
         **engine_kwargs(
             spec["target"],
@@ -271,6 +277,7 @@ def run_arm_here(spec: dict) -> None:
         ),
         speculative_config=speculative,
     )
+    engine_start_s = round(time.monotonic() - started, 1)
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -307,6 +314,7 @@ def run_arm_here(spec: dict) -> None:
             switch_capacity(llm, **updates)
             llm.generate(prompts(8, 1), params, use_tqdm=False)
         for concurrency in spec["concurrency"]:
+            measuring = time.monotonic()
             # A short warm-up at this batch size first: a batch size not run before can
             # compile kernels (Triton specialises on sizes), which the short runs at low
             # concurrency would otherwise count.
@@ -351,6 +359,8 @@ def run_arm_here(spec: dict) -> None:
                 "admitted_per_req": admitted.admitted_per_request if speculating else None,
                 "admission": asdict(admitted),
                 "spec_decode": asdict(counts),
+                "engine_start_s": engine_start_s,
+                "wall_s": round(time.monotonic() - measuring, 1),
             }
             if speculating and len(per_rank) > 1:
                 row["ranks_agree"] = all(counts == admitted for counts in per_rank)
@@ -473,17 +483,14 @@ def main() -> int:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()), block=args.num_drafts)
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
     arms = args.arms.split(",")
-    runs = [[arm, ARMS[arm], None] for arm in arms]  # [label, start-up options, switches]
     shared = [arm for arm in arms if args.shared_engine and is_shareable_arm(arm)]
-    runs = [run for run in runs if run[0] not in shared]
-    # Capacity arms an engine cannot switch to run after the shared engines they add to.
-    alone = [run for run in runs if "dspark_capacity" in (run[1] or {})]
-    runs = [run for run in runs if run not in alone]
+    # [label, start-up options, switches], one per engine.
+    runs = [[arm, ARMS[arm], None] for arm in arms if arm not in shared]
     for method in ("dspark", "dflash"):
         group = [arm for arm in shared if ARMS[arm].get("method", "dspark") == method]
         if group:
             runs.append(["+".join(group), *shared_engine_plan(group, curve)])
-    runs += alone
+    runs.sort(key=lambda run: arms.index(run[0].split("+")[0]))
     if args.bracket:
         runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
@@ -511,24 +518,35 @@ def main() -> int:
             "prompts": args.prompts or ("heldout" if args.pair == "embedded" else "arithmetic"),
             "tensor_parallel_size": args.tensor_parallel_size,
         }
-        done = subprocess.run(
-            [sys.executable, __file__, "--out", str(args.out), "--arm-spec", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        for line in done.stdout.splitlines():
-            if line.startswith("ROW "):
-                row = json.loads(line[4:])
-                engine = {"engine": label} if switch else {}
-                arm = row.pop("arm", label)
-                rows.append({"setup": setup, "arm": arm, **engine, **bracket, **row})
-                print(json.dumps(rows[-1]), flush=True)
-        write_record(args.out, rows)  # after every engine: a later failure keeps these
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            return done.returncode
+        context = {"setup": setup, "arm": label, **({"engine": label} if switch else {}), **bracket}
+        keep = functools.partial(keep_row, rows, args.out, context)
+        returncode, errors = run_engine(spec, args.out, keep)
+        if returncode != 0:
+            print(errors, file=sys.stderr)
+            return returncode
     return 0
+
+
+def keep_row(rows: list[dict], out: Path, context: dict, row: dict) -> None:
+    """Add an engine's row (its own arm name, in a shared engine, over the label's) and
+    rewrite the record."""
+    rows.append(context | row)
+    print(json.dumps(rows[-1]), flush=True)
+    write_record(out, rows)
+
+
+def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
+    """One engine in a process of its own; each row goes to ``keep`` as soon as the engine
+    prints it. Returns the exit code and the tail of the engine's stderr."""
+    command = [sys.executable, __file__, "--out", str(out), "--arm-spec", json.dumps(spec)]
+    # stderr to a file: vLLM logs more than a pipe holds while stdout is being read.
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True) as engine:
+            for line in engine.stdout:
+                if line.startswith("ROW "):
+                    keep(json.loads(line[4:]))
+        errors.seek(0)
+        return engine.returncode, errors.read()[-3000:]
 
 
 def write_record(path: Path, rows: list[dict]) -> None:

@@ -193,29 +193,60 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch
     assert [[p.seed for p in batch] for batch in fake_llm.params[3:]] == seeds
 
 
-def test_offline_sweep_brackets_the_other_engines_with_the_first(monkeypatch, tmp_path):
+class FakeEngine:
+    """subprocess.Popen of an offline_sweep engine: prints ``rows`` as the engine would."""
+
+    def __init__(self, rows: list[dict]):
+        self.stdout = ["a log line\n", *("ROW " + json.dumps(row) + "\n" for row in rows)]
+        self.returncode = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def fake_engines(monkeypatch):
+    """Every engine offline_sweep.main() starts prints the rows of ``fake_engines.rows``
+    (a function of the engine's spec); ``fake_engines.specs`` lists their specs."""
     import types
 
     import offline_sweep
 
-    started = []
+    state = types.SimpleNamespace(specs=[], rows=lambda spec: [])
 
-    def run_engine(command, **kwargs):
-        spec = json.loads(command[command.index("--arm-spec") + 1])
-        started.append(spec["options"])
-        rows = [{"concurrency": c, "tok_s": float(len(started))} for c in spec["concurrency"]]
-        stdout = "\n".join("ROW " + json.dumps(row) for row in rows)
-        return types.SimpleNamespace(stdout=stdout, stderr="", returncode=0)
+    def start(command, **kwargs):
+        state.specs.append(json.loads(command[command.index("--arm-spec") + 1]))
+        return FakeEngine(state.rows(state.specs[-1]))
 
+    monkeypatch.setattr(offline_sweep.subprocess, "Popen", start)
+    return state
+
+
+def test_offline_sweep_brackets_the_other_engines_with_the_first(
+    fake_engines, monkeypatch, tmp_path
+):
+    import offline_sweep
+
+    def print_rows(spec):
+        engines = len(fake_engines.specs)
+        return [{"concurrency": c, "tok_s": float(engines)} for c in spec["concurrency"]]
+
+    fake_engines.rows = print_rows
     written = []
-    monkeypatch.setattr(offline_sweep.subprocess, "run", run_engine)
-    monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows: written.append(rows))
+    monkeypatch.setattr(
+        offline_sweep, "write_record", lambda path, rows: written.append(list(rows))
+    )
     argv = ["offline_sweep.py", "--arms", "nospec,dspark", "--concurrency", "1,16"]
     monkeypatch.setattr(sys, "argv", [*argv, "--bracket", "--out", str(tmp_path / "o.json")])
     assert offline_sweep.main() == 0
-    assert started == [None, {}, None]  # no speculation, k=7, no speculation again
-    rows = written[-1]
-    assert [(r["arm"], r.get("bracket"), r["tok_s"]) for r in rows] == [
+    # No speculation, k=7, no speculation again.
+    assert [spec["options"] for spec in fake_engines.specs] == [None, {}, None]
+    # The record is rewritten after every row, so a run cut short keeps what it measured.
+    assert [len(rows) for rows in written] == [1, 2, 3, 4, 5, 6]
+    assert [(r["arm"], r.get("bracket"), r["tok_s"]) for r in written[-1]] == [
         ("nospec", "first", 1.0),
         ("nospec", "first", 1.0),
         ("dspark", None, 2.0),
@@ -225,26 +256,70 @@ def test_offline_sweep_brackets_the_other_engines_with_the_first(monkeypatch, tm
     ]
 
 
-def test_offline_sweep_runs_every_arm_with_the_drafts_asked_for(monkeypatch, tmp_path):
-    """--num-drafts 3: each speculating engine drafts 3 with the first 3 rates, from a
-    drafter written with a block of 3; K other than 7 is refused where it cannot hold."""
-    import types
-
+def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_path):
+    """A real process: rows arrive in order, a log longer than a pipe holds does not stall
+    it, and a failing engine's exit code and stderr tail come back."""
     import offline_sweep
 
-    specs = []
+    engine = tmp_path / "engine.py"
+    engine.write_text(
+        "import sys\n"
+        "print('ROW {\"concurrency\": 1}', flush=True)\n"
+        "sys.stderr.write('x' * 200_000 + 'the end')\n"
+        "print('not a row')\n"
+        "print('ROW {\"concurrency\": 16}')\n"
+        "sys.exit(3)\n"
+    )
+    monkeypatch.setattr(offline_sweep, "__file__", str(engine))
+    kept = []
+    returncode, errors = offline_sweep.run_engine({}, tmp_path / "o.json", kept.append)
+    assert kept == [{"concurrency": 1}, {"concurrency": 16}]
+    assert returncode == 3 and errors.endswith("the end") and len(errors) == 3000
 
-    def run_engine(command, **kwargs):
-        specs.append(json.loads(command[command.index("--arm-spec") + 1]))
-        return types.SimpleNamespace(stdout="", stderr="", returncode=0)
 
-    monkeypatch.setattr(offline_sweep.subprocess, "run", run_engine)
+def test_offline_sweep_runs_engines_in_the_order_of_their_first_arm(
+    fake_engines, monkeypatch, tmp_path
+):
+    """A shared engine stands where its first capacity arm does; its rows carry each arm's
+    own name and the engine's label."""
+    import offline_sweep
+
+    def print_rows(spec):
+        names = [name for name, _ in spec["switch"]] if spec["switch"] else [None]
+        return [{"concurrency": 1, "tok_s": 1.0} | ({"arm": n} if n else {}) for n in names]
+
+    fake_engines.rows = print_rows
+    written = []
+    monkeypatch.setattr(
+        offline_sweep, "write_record", lambda path, rows: written.append(list(rows))
+    )
+    arms = "nospec,sps-depth-plain,budget,dspark,sps-depth-plain-fp8,dynamic-sd"
+    argv = ["offline_sweep.py", "--pair", "tiny", "--arms", arms, "--shared-engine"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--concurrency", "1", "--out", str(tmp_path / "o")])
+    assert offline_sweep.main() == 0
+    assert [(row["arm"], row.get("engine")) for row in written[-1]] == [
+        ("nospec", None),
+        ("sps-depth-plain", "sps-depth-plain+budget"),
+        ("budget", "sps-depth-plain+budget"),
+        ("dspark", None),
+        ("sps-depth-plain-fp8", None),
+        ("dynamic-sd", None),
+    ]
+
+
+def test_offline_sweep_runs_every_arm_with_the_drafts_asked_for(
+    fake_engines, monkeypatch, tmp_path
+):
+    """--num-drafts 3: each speculating engine drafts 3 with the first 3 rates, from a
+    drafter written with a block of 3; K other than 7 is refused where it cannot hold."""
+    import offline_sweep
+
     monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows: None)
     out = ["--out", str(tmp_path / "o.json")]
     argv = ["offline_sweep.py", "--pair", "tiny", "--arms", "nospec,dspark", "--num-drafts", "3"]
     monkeypatch.setattr(sys, "argv", [*argv, *out])
     assert offline_sweep.main() == 0
-    nospec, dspark = map(offline_sweep.speculative_config, specs)
+    nospec, dspark = map(offline_sweep.speculative_config, fake_engines.specs)
     assert nospec is None
     assert dspark["num_speculative_tokens"] == 3
     assert dspark["synthetic_acceptance_rates"] == [0.8, 0.62, 0.48]
