@@ -411,7 +411,7 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
 
 
 def test_dynamic_sd_table_takes_the_best_measured_k_per_batch_size():
-    from tune_dynamic_sd import decode_ratios, table_from_ratios
+    from tune_dynamic_sd import fixed_k_ratios, table_from_ratios
 
     def row(arm, concurrency, decode_tok_s):
         return {"arm": arm, "concurrency": concurrency, "decode_tok_s": decode_tok_s}
@@ -430,10 +430,22 @@ def test_dynamic_sd_table_takes_the_best_measured_k_per_batch_size():
             row("dspark-k3", 256, 12000),
         ]
     }
-    ratios = decode_ratios([first_run, second_run])
+    ratios = fixed_k_ratios([first_run, second_run])
     assert ratios == {1: {1: 1.5, 7: 2.5}, 16: {3: 1.5, 7: 1.4}, 256: {1: 0.95, 3: 0.6}}
     # Boundaries at geometric means (4 between 1 and 16, 64 between 16 and 256).
     assert table_from_ratios(ratios) == [[1, 4, 7], [5, 64, 3], [65, 4096, 1]]
+    # An offline sweep's end-to-end rows (stock DSpark's K in its admission record) replace
+    # the breakdowns' ratio for the same concurrency and k.
+    sweep = {
+        "rows": [
+            {"arm": "nospec", "concurrency": 16, "tok_s": 1000.0, "admission": {"num_drafts": 0}},
+            {"arm": "dspark", "concurrency": 16, "tok_s": 1600.0, "admission": {"num_drafts": 7}},
+            {"arm": "budget", "concurrency": 16, "tok_s": 9999.0, "admission": {"num_drafts": 7}},
+        ]
+    }
+    ratios = fixed_k_ratios([first_run, second_run, sweep])
+    assert ratios[16] == {3: 1.5, 7: 1.6}
+    assert table_from_ratios(ratios) == [[1, 64, 7], [65, 4096, 1]]
 
 
 def test_the_sweeps_dynamic_sd_arm_runs_the_tuned_table():
