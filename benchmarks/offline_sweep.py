@@ -560,7 +560,10 @@ def write_record(path: Path, rows: list[dict]) -> None:
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
+    # Whole or not at all: the device queue may pack the file while a row is being added.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=2))
+    partial.replace(path)
 
 
 if __name__ == "__main__":
