@@ -18,15 +18,15 @@
 #            third argument embedded: the embedded pair's target (real weights) instead
 #   capacity-qwen3
 #            the capacity sweep on the Qwen3-8B shape with calibrated synthetic confidence,
-#            one run, in this order: no speculation, then sps with dynamic depth and plain
-#            steps, sps (curve profiled at start-up), budget, threshold (one shared
-#            engine), then fixed k=7 and Dynamic SD; graphs to 2,048 tokens. On an H100
-#            the three stock engines took 13.6 min (e38413b) and the shared engine had
-#            not printed a row 5 min after it began: ~25 min in all, longer than one
-#            call: run it from tools/device/queue.sh, first in a session; every row is
-#            kept as it comes, so a cut run keeps what ran. Third and fourth arguments:
-#            other arms (e.g. sps-depth, sps-plain; sps-depth-plain-fp8, an engine of
-#            its own), other concurrencies
+#            one run, in this order: no speculation; sps with dynamic depth and plain
+#            steps, sps with plain steps (what depth adds), sps (curve profiled at
+#            start-up), budget, threshold (one shared engine); fixed k=7; Dynamic SD.
+#            Graphs to 2,048 tokens. On an H100 the three stock engines took 13.6 min
+#            (e38413b); the whole stage, ~22 min by estimate (the shared engine has not yet
+#            run to its end there), is longer than one call: run it from
+#            tools/device/queue.sh, first in a session. Every row is kept as it comes, so
+#            a cut run keeps what ran. Third and fourth arguments: other arms (e.g.
+#            sps-depth; sps-depth-plain-fp8, an engine of its own), other concurrencies
 #   fixed-k  no speculation against stock DSpark with K drafts (third argument, default 3),
 #            CUDA graphs to the fourth argument's tokens (default 1024), Qwen3-8B shape,
 #            end to end (vLLM; two engines, ~8 min: from the queue); a fifth argument
@@ -141,7 +141,7 @@ case "$stage" in
     # 2,048 tokens for every arm, as setup (a): with vLLM's 512, a speculative step at 256
     # requests runs the target and the drafter without graphs (README, graph sizes).
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms "${3:-nospec,sps-depth-plain,sps,budget,threshold,dspark,dynamic-sd}" \
+      --arms "${3:-nospec,sps-depth-plain,sps-plain,sps,budget,threshold,dspark,dynamic-sd}" \
       --shared-engine \
       --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" --out "$OUT/$stage.json" \
       2>&1 | quiet \
