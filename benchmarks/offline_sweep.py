@@ -494,6 +494,9 @@ def main() -> int:
     if args.bracket:
         runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"
+    # Asked once, before any engine: not from the middle of the first engine's rows, which
+    # this process now records as they come.
+    device_name()
     rows = []
     for position, (label, options, switch) in enumerate(runs):
         bracket = {}
@@ -549,14 +552,19 @@ def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
         return engine.returncode, errors.read()[-3000:]
 
 
-def write_record(path: Path, rows: list[dict]) -> None:
+@functools.cache
+def device_name() -> str:
     import torch
 
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def write_record(path: Path, rows: list[dict]) -> None:
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
+        "device": device_name(),
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
