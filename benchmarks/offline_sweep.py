@@ -59,7 +59,7 @@ ARMS = {
     "dspark-fp8": {"dspark_fp8_draft_head": True},
     "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
     # vLLM's Dynamic SD: k by batch size (inclusive ranges), the table tune_dynamic_sd.py
-    # derived from the measured fixed-k step breakdowns.
+    # derived from measured fixed-k rows, each charged the K-draft proposal Dynamic SD runs.
     "dynamic-sd": {"num_speculative_tokens_per_batch_size": DYNAMIC_SD_TABLE},
     "budget": {
         "dspark_capacity": "budget",

@@ -1,22 +1,30 @@
 """vLLM's Dynamic SD table (batch size -> number of drafts) from measured fixed-k rows.
 
-    python benchmarks/tune_dynamic_sd.py benchmarks/results/step_breakdown.json \
-        benchmarks/results/step_breakdown_k7.json \
-        benchmarks/results/fixed_k3_graphs1024_5b1d70a.json \
-        benchmarks/results/capacity_qwen3_cut_e38413b_h100.json \
-        --out benchmarks/results/dynamic_sd_table.json
+    cd benchmarks/results && python ../tune_dynamic_sd.py step_breakdown.json \
+        step_breakdown_k7.json step_breakdown_graphs1024_a37526b.json \
+        capacity_qwen3_b7ae06f_h100.json --out dynamic_sd_table.json
 
 Reads step-breakdown JSONs (rows of arm ``nospec`` and ``dspark-kN``: decode throughput,
 requests x acceptance length over the median step) and offline-sweep JSONs (rows of arm
 ``nospec`` and ``dspark``, K from the row's ``admission``: end-to-end tokens per second).
-Each fixed-k row counts as a ratio to the no-speculation row of the same record and
-concurrency, so records of different runs and machines compare; a later record's ratio
-for the same (concurrency, k) replaces an earlier one's. At each measured concurrency the
-k with the best ratio wins (no speculation where none beats it: k = 0 is not a Dynamic SD
-entry, so it becomes k = 1, the cheapest); between two measured concurrencies the boundary
-sits at their geometric mean. Writes ``num_speculative_tokens_per_batch_size``
-([[first, last, k], ...]) with the ratios it chose from; ``offline_sweep.py``'s
-``dynamic-sd`` arm runs that table.
+Each row counts as a ratio to the no-speculation row of the same record and concurrency,
+so records of different runs and machines compare; a later record's ratio for the same
+(concurrency, k) replaces an earlier one's.
+
+The ratios are Dynamic SD's, not the fixed-k engines': under Dynamic SD the engine keeps
+its K (``--num-drafts``, the sweep's 7) and vLLM's drafter computes all K drafts whatever
+k the table gives the step; only the verification shrinks. A fixed-k row with k < K is
+therefore charged the K-draft proposal: its step time less its own draft phase plus the
+K row's at that concurrency (a breakdown's ``draft_graph``, or its eager backbone and
+Markov/LM-head phases). A sweep's end-to-end row with k < K has no phases to charge and
+is left out. (At 256 requests on the Qwen3-8B shape, b7ae06f, H100: fixed k=1 ran 1.06x
+no speculation, Dynamic SD at k=1 0.90x.)
+
+At each measured concurrency the k with the best ratio wins, below 1 or not: Dynamic SD
+cannot switch speculation off, and its smallest k is not its cheapest step. Between two
+measured concurrencies the boundary sits at their geometric mean. Writes
+``num_speculative_tokens_per_batch_size`` ([[first, last, k], ...]) with the ratios it
+chose from; ``offline_sweep.py``'s ``dynamic-sd`` arm runs that table.
 """
 
 from __future__ import annotations
@@ -33,18 +41,48 @@ FIXED_ARM = re.compile(r"dspark-k(\d+)$")
 MAX_BATCH = 4096
 
 
-def fixed_k_ratios(records: list[dict]) -> dict[int, dict[int, float]]:
-    """{concurrency: {k: throughput over no speculation's, same record}}."""
+def dynamic_sd_ratios(records: list[dict], engine_drafts: int) -> dict[int, dict[int, float]]:
+    """{concurrency: {k: Dynamic SD's throughput at k over no speculation's, same record}}
+    for an engine of ``engine_drafts`` drafts (the module's cost model)."""
+    full_draft = {
+        row["concurrency"]: draft_ms(row)
+        for record in records
+        for row in record["rows"]
+        if fixed_k(row) == engine_drafts and draft_ms(row) is not None
+    }
     ratios: dict[int, dict[int, float]] = {}
     for record in records:
         rows = record["rows"]
         baseline = {r["concurrency"]: throughput(r) for r in rows if r["arm"] == "nospec"}
         for row in rows:
-            k = fixed_k(row)
-            if k and row["concurrency"] in baseline:
-                ratio = throughput(row) / baseline[row["concurrency"]]
-                ratios.setdefault(row["concurrency"], {})[k] = ratio
+            k, concurrency = fixed_k(row), row["concurrency"]
+            if not k or k > engine_drafts or concurrency not in baseline:
+                continue
+            tok_s = throughput(row)
+            if k < engine_drafts:
+                tok_s = with_full_proposal(row, full_draft.get(concurrency))
+            if tok_s is not None:
+                ratios.setdefault(concurrency, {})[k] = tok_s / baseline[concurrency]
     return ratios
+
+
+def draft_ms(row: dict) -> float | None:
+    """A breakdown row's proposal time: its draft graph, or its eager draft phases."""
+    phases = row.get("phases_ms") or {}
+    if phases.get("draft_graph") is not None:
+        return phases["draft_graph"]
+    eager = [phases.get("draft_backbone"), phases.get("markov_lm_head")]
+    return None if None in eager else sum(eager)
+
+
+def with_full_proposal(row: dict, full_draft_ms: float | None) -> float | None:
+    """Decode tokens per second of a breakdown row's step had its proposal computed all
+    K drafts (``full_draft_ms``); None where a time is missing (a sweep row)."""
+    own = draft_ms(row)
+    if own is None or full_draft_ms is None or "step_ms_median" not in row:
+        return None
+    step_ms = row["step_ms_median"] - own + full_draft_ms
+    return row["concurrency"] * (row.get("acceptance_length") or 1.0) * 1e3 / step_ms
 
 
 def fixed_k(row: dict) -> int | None:
@@ -70,7 +108,6 @@ def table_from_ratios(ratios: dict[int, dict[int, float]]) -> list[list[int]]:
     """[[first batch size, last batch size, k], ...] covering 1..MAX_BATCH."""
     measured = sorted(ratios)
     best = [max(ratios[c], key=ratios[c].get) for c in measured]
-    best = [k if ratios[c][k] > 1.0 else 1 for c, k in zip(measured, best, strict=True)]
     table, first = [], 1
     for i, k in enumerate(best):
         last = MAX_BATCH
@@ -87,10 +124,11 @@ def table_from_ratios(ratios: dict[int, dict[int, float]]) -> list[list[int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("breakdowns", type=Path, nargs="+")
+    parser.add_argument("--num-drafts", type=int, default=7, help="the engine's K")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     records = [json.loads(path.read_text()) for path in args.breakdowns]
-    ratios = fixed_k_ratios(records)
+    ratios = dynamic_sd_ratios(records, args.num_drafts)
     if not ratios:
         print("no fixed-k rows beside no-speculation rows", file=sys.stderr)
         return 1
@@ -98,7 +136,8 @@ def main() -> int:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "note": "derived on a CPU from the records it names (Qwen3-8B shape): step "
-        "breakdowns give decode ratios, sweeps end-to-end ones",
+        "breakdowns give decode ratios, sweeps end-to-end ones; a k below the engine's K "
+        "is charged the K-draft proposal, as Dynamic SD runs it",
         "from": [
             {"file": str(p), "commit": r.get("commit")}
             for p, r in zip(args.breakdowns, records, strict=True)

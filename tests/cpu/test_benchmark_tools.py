@@ -410,42 +410,57 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
     assert len({tuple(p[:16]) for p in timed}) == len(timed)
 
 
-def test_dynamic_sd_table_takes_the_best_measured_k_per_batch_size():
-    from tune_dynamic_sd import fixed_k_ratios, table_from_ratios
+def test_dynamic_sd_table_takes_the_best_k_per_batch_size_as_dynamic_sd_runs_it():
+    from tune_dynamic_sd import dynamic_sd_ratios, table_from_ratios
 
-    def row(arm, concurrency, decode_tok_s):
-        return {"arm": arm, "concurrency": concurrency, "decode_tok_s": decode_tok_s}
+    def row(arm, concurrency, step_ms, draft_ms=None, acceptance=None):
+        phases = {"draft_graph": draft_ms}
+        return {
+            "arm": arm,
+            "concurrency": concurrency,
+            "step_ms_median": step_ms,
+            "acceptance_length": acceptance,
+            "phases_ms": phases,
+        }
 
-    first_run = {
-        "rows": [row("nospec", 1, 100), row("dspark-k1", 1, 150), row("dspark-k7", 1, 250)]
-    }
-    # Another run: other absolute speeds, compared through its own no-speculation rows.
-    second_run = {
+    breakdown = {
         "rows": [
-            row("nospec", 16, 2000),
-            row("dspark-k3", 16, 3000),
-            row("dspark-k7", 16, 2800),
-            row("nospec", 256, 20000),
-            row("dspark-k1", 256, 19000),  # nothing beats no speculation here
-            row("dspark-k3", 256, 12000),
+            row("nospec", 1, 5.0),
+            row("dspark-k1", 1, 6.0, 0.5, 1.8),
+            row("dspark-k7", 1, 7.0, 1.0, 3.5),
+            row("nospec", 256, 10.0),
+            # As a fixed-k engine k=1 beats no speculation (1.125x), but Dynamic SD's
+            # drafter computes all 7 drafts (6 ms here): 0.857x. k=3: 0.935x, the best.
+            row("dspark-k1", 256, 16.0, 1.0, 1.8),
+            row("dspark-k3", 256, 28.0, 3.0, 2.9),
+            row("dspark-k7", 256, 50.0, 6.0, 3.9),
         ]
     }
-    ratios = fixed_k_ratios([first_run, second_run])
-    assert ratios == {1: {1: 1.5, 7: 2.5}, 16: {3: 1.5, 7: 1.4}, 256: {1: 0.95, 3: 0.6}}
-    # Boundaries at geometric means (4 between 1 and 16, 64 between 16 and 256).
-    assert table_from_ratios(ratios) == [[1, 4, 7], [5, 64, 3], [65, 4096, 1]]
-    # An offline sweep's end-to-end rows (stock DSpark's K in its admission record) replace
-    # the breakdowns' ratio for the same concurrency and k.
+    # An offline sweep: end-to-end rows, K in the admission record. Its K=7 row counts as
+    # it ran; its k=3 row has no phases to charge the 7-draft proposal to, so it is left out.
     sweep = {
         "rows": [
             {"arm": "nospec", "concurrency": 16, "tok_s": 1000.0, "admission": {"num_drafts": 0}},
             {"arm": "dspark", "concurrency": 16, "tok_s": 1600.0, "admission": {"num_drafts": 7}},
+            {"arm": "dspark", "concurrency": 16, "tok_s": 1900.0, "admission": {"num_drafts": 3}},
             {"arm": "budget", "concurrency": 16, "tok_s": 9999.0, "admission": {"num_drafts": 7}},
         ]
     }
-    ratios = fixed_k_ratios([first_run, second_run, sweep])
-    assert ratios[16] == {3: 1.5, 7: 1.6}
-    assert table_from_ratios(ratios) == [[1, 64, 7], [65, 4096, 1]]
+    ratios = dynamic_sd_ratios([breakdown, sweep], engine_drafts=7)
+    assert set(ratios) == {1, 16, 256}
+    assert ratios[1] == pytest.approx({1: 1.8e3 / 6.5 / 200, 7: 2.5})
+    assert ratios[16] == {7: 1.6}
+    assert ratios[256] == pytest.approx(
+        {1: 256 * 1.8e3 / 21 / 25600, 3: 256 * 2.9e3 / 31 / 25600, 7: 256 * 3.9e3 / 50 / 25600}
+    )
+    # Boundaries at geometric means (4 between 1 and 16, 64 between 16 and 256); at 256 the
+    # best k though below no speculation: Dynamic SD cannot switch speculation off.
+    assert table_from_ratios(ratios) == [[1, 64, 7], [65, 4096, 3]]
+    # An engine of K=3: k=7 rows are not its to run, k=3 rows count as they ran.
+    ratios = dynamic_sd_ratios([breakdown, sweep], engine_drafts=3)
+    assert ratios[16] == {3: 1.9}
+    assert ratios[256][3] == pytest.approx(256 * 2.9e3 / 28 / 25600)
+    assert 7 not in ratios[256]
 
 
 def test_the_sweeps_dynamic_sd_arm_runs_the_tuned_table():
