@@ -19,10 +19,10 @@ over the step's time, and keeps the best. Every choice is optimistic:
   the context-K/V store, the larger rejection sampling and the controller's host work are
   left out.
 The ratio is to a step without speculation measured in the same run as the forwards.
-End to end (``end_to_end_ceiling``), the batch of the capacity sweep's setup (b) (all
-requests at once, --output-len tokens each) keeps its time outside decode steps, its
-length less (output_len - 1) steps without speculation, and divides the rest by the
-decode ceiling.
+End to end (``end_to_end_ceiling``), a batch without speculation measured on the H200
+(``NOSPEC_BATCH_SOURCE``: all requests at once, --output-len tokens each) keeps its time
+outside decode steps, its length less (output_len - 1) steps without speculation, and
+divides the rest by the decode ceiling.
 
 That division leaves out the batch's tail. Without speculation every request of the
 batch needs output_len - 1 decode steps; with it, each needs as many as its own
@@ -63,7 +63,10 @@ FORWARD_SOURCES = {
     8: ("step_breakdown_overhead_a37526b.json", "conf-k7"),
 }
 DEPTH_SOURCE = "depth_time.json"
-SWEEP_SOURCE = ("capacity_sweep.json", "qwen3-8b/confidence")
+# The batch without speculation whose time outside decode steps the end-to-end ceiling
+# keeps: an H200 run with graphs to 1,024 tokens, as the step costs above (the capacity
+# sweep's setup (b) has since run on an H100).
+NOSPEC_BATCH_SOURCE = ("fixed_k3_fp8_graphs1024_757bc32.json", "qwen3-8b/rates")
 # Whole decode steps of fixed-k DSpark (k drafts, K = k), one step-breakdown run with graphs
 # to 1,024 tokens, by k (0: no speculation).
 DRAIN_SOURCES = {
@@ -231,8 +234,8 @@ def drained_batch(results: Path, rates: list[float], output_len: int, trials: in
     return rows
 
 
-def sweep_nospec_tok_s(results: Path, concurrency: int) -> float:
-    name, setup = SWEEP_SOURCE
+def nospec_batch_tok_s(results: Path, concurrency: int) -> float:
+    name, setup = NOSPEC_BATCH_SOURCE
     rows = _rows(results / name)
     return next(
         r["tok_s"]
@@ -256,7 +259,7 @@ def main() -> int:
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         costs = measured_costs(args.results, concurrency)
         row = ceiling(costs, concurrency, args.batches, rates)
-        nospec_tok_s = sweep_nospec_tok_s(args.results, concurrency)
+        nospec_tok_s = nospec_batch_tok_s(args.results, concurrency)
         row["end_to_end_ceiling_over_nospec"] = round(
             end_to_end_ceiling(
                 row["ceiling_over_nospec"],
@@ -267,7 +270,7 @@ def main() -> int:
             ),
             4,
         )
-        rows.append(row | {"inputs": costs | {"sweep_nospec_tok_s": nospec_tok_s}})
+        rows.append(row | {"inputs": costs | {"nospec_batch_tok_s": nospec_tok_s}})
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
@@ -278,7 +281,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": "CPU (a model over H200 measurements)",
         "sources": sorted(
-            {name for name, _ in FORWARD_SOURCES.values()} | {DEPTH_SOURCE, SWEEP_SOURCE[0]}
+            {name for name, _ in FORWARD_SOURCES.values()} | {DEPTH_SOURCE, NOSPEC_BATCH_SOURCE[0]}
         ),
         "rows": rows,
         "drained_batch": {
