@@ -49,6 +49,10 @@ from shapes import SHAPES, write_shape
 
 # The acceptance profile measured alongside the stock baseline in shared/device/README.md.
 DEFAULT_RATES = "0.8,0.62,0.48,0.37,0.28,0.21,0.16"
+# dspark_draft_vocab of the -vocab arms: the first 32,768 of Qwen3's 151,936 token ids, about
+# a fifth, FR-Spec's size for Llama-3's 128k vocabulary. With dummy weights and synthetic
+# acceptance these arms show the cost saved, not what a real drafter's acceptance loses.
+DRAFT_VOCAB = 32768
 DYNAMIC_SD_TABLE = json.loads(
     (Path(__file__).parent / "results" / "dynamic_sd_table.json").read_text()
 )["num_speculative_tokens_per_batch_size"]
@@ -58,6 +62,8 @@ ARMS = {
     "dspark": {},
     "dspark-fp8": {"dspark_fp8_draft_head": True},
     "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
+    # Drafting over part of the vocabulary (an engine of its own).
+    "dspark-vocab": {"dspark_draft_vocab": DRAFT_VOCAB},
     # vLLM's Dynamic SD: k by batch size (inclusive ranges), the table tune_dynamic_sd.py
     # derived from measured fixed-k rows, each charged the K-draft proposal Dynamic SD runs.
     "dynamic-sd": {"num_speculative_tokens_per_batch_size": DYNAMIC_SD_TABLE},
@@ -99,6 +105,14 @@ ARMS = {
         "dspark_plain_steps": True,
         "dspark_fp8_draft_head": True,
     },
+    # ... drafting over part of the vocabulary (an engine of its own).
+    "sps-depth-plain-vocab": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_draft_vocab": DRAFT_VOCAB,
+    },
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
     # lasts as long as its slowest request (benchmarks/batch_steps.py).
     "sps-batch": {
@@ -135,6 +149,14 @@ ARMS = {
         "dspark_varlen_verify": True,
         "dspark_dynamic_depth": True,
         "dspark_plain_steps": True,
+    },
+    "dflash-depth-plain-vocab": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_draft_vocab": DRAFT_VOCAB,
     },
 }
 

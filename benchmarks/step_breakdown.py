@@ -156,6 +156,8 @@ SHAPE = "qwen3-8b"
 # field: further speculative-config keys (fp8-k*: DSpark k with the plugin's rowwise FP8
 # draft LM head, on the dspark-k* arms' acceptance).
 FP8_HEAD = {"dspark_fp8_draft_head": True}
+# vocab-k*: DSpark k drafting over the first 32,768 token ids only (dspark_draft_vocab).
+DRAFT_VOCAB = {"dspark_draft_vocab": 32768}
 # Capacity control that admits every draft (all-k7; such a step runs vLLM's uniform step)
 # or all but a few (compact-k7: 0.99 of R*K, every step compacted at 64 and 256 requests),
 # on conf-k7's acceptance: their steps against conf-k7's are the controller's and the
@@ -176,6 +178,8 @@ ARMS = {
     "dspark-k7": (7, "rates", {}),
     "fp8-k1": (1, "rates", FP8_HEAD),
     "fp8-k3": (3, "rates", FP8_HEAD),
+    "vocab-k3": (3, "rates", DRAFT_VOCAB),
+    "vocab-k7": (7, "rates", DRAFT_VOCAB),
     "conf-k1": (1, "confidence", {}),
     "conf-k3": (3, "confidence", {}),
     "conf-k7": (7, "confidence", {}),

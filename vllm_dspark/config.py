@@ -153,6 +153,22 @@ class DSparkOptions(BaseModel):
     fp8_markov_head: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Also use rowwise FP8 for the DSpark Markov head's vocabulary projection."""
 
+    draft_vocab: Annotated[int, Strict(), Field(gt=0)] | list[Annotated[int, Strict()]] | None = (
+        Field(
+            None,
+            json_schema_extra=_valid(
+                "a positive integer N (the first N token ids), a JSON list of token ids, or "
+                'the path of a JSON file holding such a list or {"token_ids": [...]}'
+            ),
+        )
+    )
+    """Draft over part of the vocabulary (frequency-ranked drafting): the draft LM head
+    and DSpark's Markov projection score only these tokens, which cuts their cost at large
+    batches; verification still scores the whole vocabulary, so outputs stay the target's
+    and only acceptance can drop. N keeps token ids 0..N-1 (a byte-level BPE vocabulary
+    is ordered by merge rank, which follows frequency); a list keeps the ids it names (the
+    most frequent on your own traffic)."""
+
     synthetic_confidence: list[Annotated[float, Field(gt=0.0, lt=1.0)]] | None = Field(
         None,
         json_schema_extra=_valid(
@@ -184,6 +200,23 @@ class DSparkOptions(BaseModel):
             raise ValueError("tokens per step must be positive and strictly increasing")
         if any(speed <= 0 for _, speed in value):
             raise ValueError("steps per second must be positive")
+        return value
+
+    @field_validator("draft_vocab", mode="before")
+    @classmethod
+    def _load_draft_vocab(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _load_json_list(value, key="token_ids")
+        return value
+
+    @field_validator("draft_vocab")
+    @classmethod
+    def _check_draft_vocab(cls, value: int | list[int] | None) -> int | list[int] | None:
+        if isinstance(value, list):
+            if not value or min(value) < 0:
+                raise ValueError("token ids must be a non-empty list of integers >= 0")
+            if len(set(value)) != len(value):
+                raise ValueError("token ids must not repeat")
         return value
 
     @field_validator("confidence_temperature", mode="before")

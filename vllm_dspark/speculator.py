@@ -182,6 +182,16 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         model = super().load_draft_model(target_model, target_attn_layer_names)
         # After loading, so the LM head is the target's, shared (DSpark aliases it).
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
+        if self.heads.vocab_ids is not None and self.draft_logits is not None:
+            # Sampled drafts: stock's reduced-vocabulary path scatters each position's
+            # logits into these target columns of a -inf buffer before sampling.
+            self._d2t_scatter_index = self.heads.vocab_ids
+            self._draft_scatter_buf = torch.full(
+                (self.max_num_reqs, self.vocab_size),
+                float("-inf"),
+                dtype=self.draft_logits.dtype,
+                device=self.device,
+            )
         if self.options.needs_confidence and self.synthetic is None:
             checkpoint = self.draft_model_config.model
             rank = model.model.markov_head.markov_w1.weight.shape[1]
@@ -285,7 +295,7 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
                 )
             if self.draft_logits is None:
                 index = self.heads.dspark_greedy(logits, hidden[:, step], markov_embed)
-                tokens = self.model.map_draft_to_target(index)
+                tokens = self.heads.to_target(index)
             else:
                 if self._d2t_scatter_index is not None:
                     # Sample in target vocabulary: scatter the reduced draft vocabulary.
@@ -383,7 +393,7 @@ class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFl
     def sample_draft(
         self, hidden_states, positions, idx_mapping, temperature, seeds, draft_step, draft_logits
     ) -> torch.Tensor:
-        if self.heads.lm_head is None:
+        if not self.heads.private:
             return super().sample_draft(
                 hidden_states, positions, idx_mapping, temperature, seeds, draft_step, draft_logits
             )
@@ -391,7 +401,7 @@ class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFl
             return self.heads.greedy_tokens(hidden_states)
         # As stock: the draft's Gumbel key is offset by one to match the target's.
         return gumbel_sample(
-            self.heads.logits(hidden_states),
+            self.heads.target_logits(self.heads.logits(hidden_states)),
             idx_mapping,
             temperature,
             seeds,

@@ -91,14 +91,19 @@ def test_offline_sweep_arms_build_engine_configs(engine_config, model_dirs, tmp_
 
 
 def test_only_switchable_capacity_arms_share_an_engine():
-    """A shared engine switches capacity options; an FP8 head is loaded at start-up, so its
-    arm gets an engine of its own."""
+    """A shared engine switches capacity options; an FP8 head or a draft vocabulary is
+    loaded at start-up, so its arm gets an engine of its own."""
     from offline_sweep import ARMS, is_shareable_arm
 
     assert is_shareable_arm("sps-depth-plain") and is_shareable_arm("dflash-plain")
-    assert not is_shareable_arm("sps-depth-plain-fp8")
+    own_heads = ("-fp8", "-vocab")
+    assert not any(is_shareable_arm(arm) for arm in ARMS if arm.endswith(own_heads))
     assert not is_shareable_arm("dspark") and not is_shareable_arm("nospec")
-    assert all(is_shareable_arm(arm) for arm in ARMS if arm.startswith("sps") and "fp8" not in arm)
+    assert all(
+        is_shareable_arm(arm)
+        for arm in ARMS
+        if arm.startswith("sps") and not arm.endswith(own_heads)
+    )
 
 
 def test_graphs_to_extends_vllms_capture_sizes_past_512():

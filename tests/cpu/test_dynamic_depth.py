@@ -36,9 +36,10 @@ def fake_drafter(depth: int):
         sample_pos=torch.arange(R * K),
         input_buffers=SimpleNamespace(input_ids=torch.arange(100, 100 + R * K) % V),
         _anchor_idx=torch.arange(R) * K,
-        model=SimpleNamespace(markov_embed=lambda t: embed[t], map_draft_to_target=lambda i: i),
+        model=SimpleNamespace(markov_embed=lambda t: embed[t]),
         heads=SimpleNamespace(
             dspark_logits=dspark_logits,
+            to_target=lambda i: i,
             markov_bias=lambda e: e @ markov.T,
             dspark_greedy=lambda logits, hidden, embed: logits.argmax(dim=-1),
         ),

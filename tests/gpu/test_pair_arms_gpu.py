@@ -52,6 +52,8 @@ ARMS = {
     "nospec-bf16": (None, "bfloat16"),
     "dspark-bf16": ({}, "bfloat16"),
     "fp8": ({"dspark_fp8_draft_head": True}, "bfloat16"),
+    # Drafting over the first quarter of the pair's 8,192 token ids.
+    "vocab": ({"dspark_draft_vocab": 2048}, "float32"),
     "capacity-bf16": (
         {"dspark_capacity": "budget", "dspark_budget_frac": 0.5, "dspark_varlen_verify": True},
         "bfloat16",
@@ -287,3 +289,23 @@ def test_fp8_draft_head_keeps_acceptance(arms):
         },
     )
     assert abs(change) <= MAX_ACCEPTANCE_CHANGE
+
+
+def test_a_draft_vocabulary_keeps_outputs(arms):
+    """Drafts over part of the vocabulary: outputs stay the target's (float32, greedy); what
+    acceptance loses is recorded."""
+    nospec, full, part = arms["nospec"], arms["dspark"], arms["vocab"]
+    _record(
+        "draft_vocab",
+        {
+            "options": ARMS["vocab"][0],
+            "greedy_identical_prompts": sum(
+                a == b for a, b in zip(part["token_ids"], nospec["token_ids"], strict=True)
+            ),
+            "prompts": NUM_PROMPTS,
+            "acceptance_length_full_vocab": full["acceptance_length"],
+            "acceptance_length_draft_vocab": part["acceptance_length"],
+        },
+    )
+    assert part["token_ids"] == nospec["token_ids"]
+    assert part["spec_decode"]["accepted_tokens"] > 0

@@ -2,7 +2,19 @@
 
 :class:`DraftHeads` is what the plugin's speculators call for draft logits, Markov
 biases and greedy draft tokens. By default it calls the draft model's own (bf16)
-layers, exactly as stock vLLM does. With ``dspark_fp8_draft_head`` it keeps a private
+layers, exactly as stock vLLM does.
+
+With ``dspark_draft_vocab`` the heads score a subset of the vocabulary only (FR-Spec's
+frequency-ranked drafting): private copies of those rows of the LM head and of the Markov
+projection, so their cost at R*K draft rows shrinks with the subset (on the Qwen3-8B
+shape the Markov and LM-head stage of a K=7 proposal took 4.4 ms of a 56.7 ms step at 256
+requests, H200, ``step_breakdown_overhead_a37526b.json``). Draft logits are then over the
+subset; :meth:`DraftHeads.to_target` maps a subset index to its token id, and
+:meth:`DraftHeads.target_logits` scatters logits into the target vocabulary with the rest
+at -inf, so a sampled draft's recorded distribution gives every other token probability
+0, which is what it was drawn from: rejection sampling stays exact.
+
+With ``dspark_fp8_draft_head`` it keeps a private
 rowwise-FP8 copy of the LM head (the target's, which the drafter shares) and runs the
 Triton kernels of :mod:`vllm_dspark.head.fp8_head_kernel`; ``dspark_fp8_markov_head``
 does the same for the Markov head's projection. The bf16 weights stay untouched:
@@ -31,10 +43,8 @@ logger = init_logger(f"vllm.{__name__}")
 MIN_FP8_CAPABILITY = (8, 9)
 
 
-def _check_fp8_supported(option: str, head: torch.nn.Module) -> None:
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    device = head.weight.device
+def _check_fp8_supported(option: str, weight: torch.Tensor) -> None:
+    device = weight.device
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_FP8_CAPABILITY:
         raise DSparkOptionError(
@@ -42,18 +52,25 @@ def _check_fp8_supported(option: str, head: torch.nn.Module) -> None:
             f"capability 8.9 or newer; {torch.cuda.get_device_name(device)} has "
             f"{capability[0]}.{capability[1]}. Valid here: {KEY_PREFIX}{option}=false."
         )
+    _check_unsharded(option)
+
+
+def _check_unsharded(option: str) -> None:
+    """The private heads hold whole vocabulary rows; a TP rank holds a shard of them."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
     tp = get_tensor_model_parallel_world_size()
     if tp > 1:
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}{option} does not handle a vocabulary-sharded head yet "
-            f"(tensor parallel size {tp}). Valid with tensor parallelism: "
-            f"{KEY_PREFIX}{option}=false."
+            f"(tensor parallel size {tp}). Valid with tensor parallelism: leave "
+            f"{KEY_PREFIX}{option} unset."
         )
 
 
-def _quantize(option: str, head: torch.nn.Module) -> Fp8RowwiseWeight:
-    _check_fp8_supported(option, head)
-    fp8 = Fp8RowwiseWeight.from_weight(head.weight.data)
+def _quantize(option: str, weight: torch.Tensor) -> Fp8RowwiseWeight:
+    _check_fp8_supported(option, weight)
+    fp8 = Fp8RowwiseWeight.from_weight(weight)
     extra = fp8.weight.numel() * fp8.weight.element_size() + fp8.scale.numel() * 4
     logger.info(
         "vllm-dspark: %s%s: private e4m3 copy of the %dx%d head, +%.1f MiB of GPU memory "
@@ -67,6 +84,18 @@ def _quantize(option: str, head: torch.nn.Module) -> Fp8RowwiseWeight:
     return fp8
 
 
+def vocab_subset(option: int | list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``dspark_draft_vocab`` as token ids in increasing order: the first N, or the list's."""
+    ids = range(option) if isinstance(option, int) else sorted(option)
+    if len(ids) > vocab_size or ids[-1] >= vocab_size:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}draft_vocab names token ids up to {ids[-1]}; the "
+            f"vocabulary has {vocab_size} (ids 0..{vocab_size - 1}). Valid: at most "
+            f"{vocab_size} ids below {vocab_size}."
+        )
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
 class DraftHeads:
     def __init__(self, model: torch.nn.Module, options: DSparkOptions, max_rows: int):
         self.model = model
@@ -74,9 +103,14 @@ class DraftHeads:
         # What the draft's LogitsProcessor would apply after the projection.
         self.vocab_limit = processor.org_vocab_size
         self.scale = processor.scale
-        if processor.soft_cap is not None and (options.fp8_draft_head or options.fp8_markov_head):
+        private = [
+            name
+            for name in ("fp8_draft_head", "fp8_markov_head", "draft_vocab")
+            if name in options.non_default()
+        ]
+        if processor.soft_cap is not None and private:
             raise DSparkOptionError(
-                f"vllm-dspark: {KEY_PREFIX}fp8_draft_head does not apply logit soft-capping, "
+                f"vllm-dspark: {KEY_PREFIX}{private[0]} does not apply logit soft-capping, "
                 "which this draft model uses."
             )
         dtype = model.lm_head.weight.dtype
@@ -87,73 +121,123 @@ class DraftHeads:
                 f"need the model in bfloat16, not {dtype}. Valid here: dtype bfloat16, or "
                 "the options off."
             )
-        if getattr(model, "draft_id_to_target_id", None) is not None and options.fp8_draft_head:
+        reduced = getattr(model, "draft_id_to_target_id", None) is not None
+        if reduced and (options.fp8_draft_head or options.draft_vocab is not None):
+            name = "fp8_draft_head" if options.fp8_draft_head else "draft_vocab"
             raise DSparkOptionError(
-                f"vllm-dspark: {KEY_PREFIX}fp8_draft_head needs a full-vocabulary draft; this "
+                f"vllm-dspark: {KEY_PREFIX}{name} needs a full-vocabulary draft; this "
                 "draft has a reduced vocabulary (d2t)."
             )
-        self.lm_head = (
-            _quantize("fp8_draft_head", model.lm_head) if options.fp8_draft_head else None
-        )
+        # The rows the heads score: all (the model's own weights) or the draft vocabulary's.
+        self.vocab_ids = None
+        lm_weight = model.lm_head.weight.data
+        markov = getattr(getattr(model, "model", None), "markov_head", None)
+        markov_weight = markov.markov_w2.weight.data if markov is not None else None
+        if options.draft_vocab is not None:
+            _check_unsharded("draft_vocab")
+            self.vocab_ids = vocab_subset(options.draft_vocab, self.vocab_limit, lm_weight.device)
+            lm_weight = lm_weight[self.vocab_ids].contiguous()
+            if markov_weight is not None:
+                markov_weight = markov_weight[self.vocab_ids].contiguous()
+            logger.info(
+                "vllm-dspark: %sdraft_vocab: drafting over %d of %d tokens (+%.1f MiB of GPU "
+                "memory for the heads' rows).",
+                KEY_PREFIX,
+                len(self.vocab_ids),
+                self.vocab_limit,
+                sum(
+                    w.numel() * w.element_size()
+                    for w in (lm_weight, markov_weight)
+                    if w is not None
+                )
+                / 2**20,
+            )
+        self.lm_weight, self.markov_weight = lm_weight, markov_weight
+        self.lm_head = _quantize("fp8_draft_head", lm_weight) if options.fp8_draft_head else None
         self.markov = None
         if options.fp8_markov_head:
-            self.markov = _quantize("fp8_markov_head", model.model.markov_head.markov_w2)
+            self.markov = _quantize("fp8_markov_head", markov_weight)
+        # The FP8 kernels' columns: the subset's, or the processor's unpadded vocabulary.
+        self.columns = self.vocab_limit if self.vocab_ids is None else len(self.vocab_ids)
         # Preallocated once, so that captured graphs never allocate kernel scratch space.
         self.lm_head_workspace = self.lm_head and HeadWorkspace.allocate(max_rows, self.lm_head)
         self.markov_workspace = self.markov and HeadWorkspace.allocate(max_rows, self.markov)
+
+    @property
+    def private(self) -> bool:
+        """Whether the LM head runs from this object's weights rather than the model's."""
+        return self.lm_head is not None or self.vocab_ids is not None
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         return logits * self.scale if self.scale != 1.0 else logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the LM head. [rows, H] -> [rows, V]."""
-        if self.lm_head is None:
-            return self.model.compute_logits(hidden)
-        out = fp8_head_logits(
-            hidden, self.lm_head, vocab_limit=self.vocab_limit, workspace=self.lm_head_workspace
-        )
-        return self._scaled(out)
+        """Draft-vocabulary logits of the LM head. [rows, H] -> [rows, V or subset]."""
+        if self.lm_head is not None:
+            out = fp8_head_logits(
+                hidden, self.lm_head, vocab_limit=self.columns, workspace=self.lm_head_workspace
+            )
+            return self._scaled(out)
+        if self.vocab_ids is not None:
+            return self._scaled(torch.nn.functional.linear(hidden, self.lm_weight))
+        return self.model.compute_logits(hidden)
 
     def dspark_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """DSpark's base logits: the LM head without the d2t scatter."""
-        if self.lm_head is None:
+        if not self.private:
             return self.model.compute_draft_logits(hidden)
         return self.logits(hidden)
 
     def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
-        """DSpark's Markov transition bias. [rows, r] -> [rows, V]."""
-        if self.markov is None:
-            return self.model.markov_bias(markov_embed)
-        out = fp8_head_logits(
-            markov_embed, self.markov, vocab_limit=self.vocab_limit, workspace=self.markov_workspace
-        )
-        return self._scaled(out)
+        """DSpark's Markov transition bias. [rows, r] -> [rows, V or subset]."""
+        if self.markov is not None:
+            out = fp8_head_logits(
+                markov_embed, self.markov, vocab_limit=self.columns, workspace=self.markov_workspace
+            )
+            return self._scaled(out)
+        if self.vocab_ids is not None:
+            return self._scaled(torch.nn.functional.linear(markov_embed, self.markov_weight))
+        return self.model.markov_bias(markov_embed)
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of draft-vocabulary indices (the draft model's d2t map, or the
+        draft vocabulary's ids)."""
+        if self.vocab_ids is not None:
+            return self.vocab_ids[index]
+        return self.model.map_draft_to_target(index)
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary: with a draft vocabulary, its columns at their
+        token ids and -inf elsewhere (probability 0 for the tokens it never drafts)."""
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_limit), float("-inf"))
+        return full.index_copy_(1, self.vocab_ids, logits)
 
     def dspark_greedy(
         self, logits: torch.Tensor, hidden: torch.Tensor, markov_embed: torch.Tensor
     ) -> torch.Tensor:
         """DSpark's greedy draft from its logits (LM head + Markov bias) at one position:
-        their argmax, with FP8 heads rescored by the bf16 weights (module docstring)."""
+        their argmax (a draft-vocabulary index), with FP8 heads rescored by the bf16 rows
+        (module docstring)."""
         if self.lm_head is None and self.markov is None:
             return logits.argmax(dim=-1)
         return rescored_argmax(
-            logits,
-            hidden,
-            self.model.lm_head.weight,
-            markov_embed,
-            self.model.model.markov_head.markov_w2.weight,
-            self.scale,
+            logits, hidden, self.lm_weight, markov_embed, self.markov_weight, self.scale
         )
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Argmax of the LM head's logits; with FP8 no [rows, V] logits are written."""
-        if self.lm_head is None:
+        """Token ids of the LM head's argmax (DFlash); with FP8 no [rows, V] logits are
+        written."""
+        if not self.private:
             return self.model.compute_logits(hidden).argmax(dim=-1)
-        if self.scale <= 0:  # a non-positive scale would reorder the logits
-            return self.logits(hidden).argmax(dim=-1)
-        index, _ = fp8_head_argmax(
-            hidden, self.lm_head, vocab_limit=self.vocab_limit, workspace=self.lm_head_workspace
-        )
-        # A NaN row gives -1: propose token 0 instead, which verification then rejects
-        # like any wrong draft (a -1 would be read as an input id next step).
-        return index.clamp_(min=0)
+        if self.lm_head is None or self.scale <= 0:  # a non-positive scale reorders logits
+            index = self.logits(hidden).argmax(dim=-1)
+        else:
+            index, _ = fp8_head_argmax(
+                hidden, self.lm_head, vocab_limit=self.columns, workspace=self.lm_head_workspace
+            )
+            # A NaN row gives -1: propose the first token instead, which verification
+            # rejects like any wrong draft (a -1 would be read as an input id next step).
+            index = index.clamp_(min=0)
+        return index if self.vocab_ids is None else self.vocab_ids[index]
