@@ -1,5 +1,8 @@
 """dspark_draft_vocab: drafting over part of the vocabulary (CPU, a fake draft model)."""
 
+import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -152,3 +155,40 @@ def test_dspark_drafts_the_markov_chain_restricted_to_the_subset():
             expected.append(previous)
     assert torch.equal(drafter.draft_tokens, torch.stack(expected, dim=1))
     assert set(drafter.draft_tokens.flatten().tolist()) <= set(SUBSET)
+
+
+def test_the_vocabulary_tool_keeps_the_most_frequent_ids(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from draft_vocab import main
+
+    corpus = tmp_path / "prompts.json"
+    # Token 9 four times, 7 three times, 2 and 5 twice, 1 once.
+    corpus.write_text(json.dumps([[9, 9, 7, 2], {"prompt_token_ids": [9, 7, 5, 2, 9, 7, 5, 1]}]))
+    out = tmp_path / "vocab.json"
+    assert main(["--size", "3", "--corpus", str(corpus), "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    # 2 and 5 tie for the third place: the lower id wins.
+    assert record["token_ids"] == [2, 7, 9]
+    assert record["coverage"] == round(9 / 12, 4)
+    assert record["first_ids_coverage"] == round(3 / 12, 4)  # ids 0..2: token 2 twice, 1 once
+    # What the option reads back.
+    assert resolve_options({"dspark_draft_vocab": str(out)}, {})[0].draft_vocab == [2, 7, 9]
+
+
+def test_the_vocabulary_tool_tokenizes_text(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from draft_vocab import main
+
+    from vllm_dspark.demo import EMBEDDED_PAIR
+
+    text = tmp_path / "traffic.txt"
+    text.write_text("def main():\n    return 0\n" * 20)
+    out = tmp_path / "vocab.json"
+    tokenizer = str(EMBEDDED_PAIR / "target")
+    assert (
+        main(["--size", "4", "--corpus", str(text), "--tokenizer", tokenizer, "--out", str(out)])
+        == 0
+    )
+    record = json.loads(out.read_text())
+    assert len(record["token_ids"]) == 4 and record["tokens_counted"] > 0
+    assert 0 < record["coverage"] <= 1
