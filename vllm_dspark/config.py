@@ -33,6 +33,7 @@ from pydantic import (
     Field,
     Strict,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -45,6 +46,13 @@ ADDITIONAL_CONFIG_KEY = "dspark"
 SUPPORTED_METHODS = ("dspark", "dflash")
 # Capacity modes that rank drafts by the DSpark confidence head.
 CONFIDENCE_MODES = ("threshold", "budget", "sps")
+
+# Options given as a list, inline or in a JSON file: the key a file may hold it under.
+LIST_FILE_KEYS = {
+    "sps_curve": "curve",
+    "confidence_temperature": "temperatures",
+    "draft_vocab": "token_ids",
+}
 
 StrictFloat = Annotated[float, Strict()]
 StrictBool = Annotated[bool, Strict()]
@@ -181,11 +189,12 @@ class DSparkOptions(BaseModel):
     draft with probability c (given its prefix was accepted), so confidence is calibrated
     by construction (:mod:`vllm_dspark.capacity.synthetic`)."""
 
-    @field_validator("sps_curve", mode="before")
+    @field_validator(*LIST_FILE_KEYS, mode="before")
     @classmethod
-    def _load_curve(cls, value: Any) -> Any:
+    def _load_list(cls, value: Any, info: ValidationInfo) -> Any:
+        # A string other than a keyword: an inline JSON list or a JSON file's path.
         if isinstance(value, str) and value != "auto":
-            return _load_json_list(value, key="curve")
+            return _load_json_list(value, key=LIST_FILE_KEYS[info.field_name])
         return value
 
     @field_validator("sps_curve")
@@ -202,13 +211,6 @@ class DSparkOptions(BaseModel):
             raise ValueError("steps per second must be positive")
         return value
 
-    @field_validator("draft_vocab", mode="before")
-    @classmethod
-    def _load_draft_vocab(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return _load_json_list(value, key="token_ids")
-        return value
-
     @field_validator("draft_vocab")
     @classmethod
     def _check_draft_vocab(cls, value: int | list[int] | None) -> int | list[int] | None:
@@ -217,13 +219,6 @@ class DSparkOptions(BaseModel):
                 raise ValueError("token ids must be a non-empty list of integers >= 0")
             if len(set(value)) != len(value):
                 raise ValueError("token ids must not repeat")
-        return value
-
-    @field_validator("confidence_temperature", mode="before")
-    @classmethod
-    def _load_temperatures(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return _load_json_list(value, key="temperatures")
         return value
 
     @field_validator("confidence_temperature")

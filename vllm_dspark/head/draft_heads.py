@@ -171,16 +171,20 @@ class DraftHeads:
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         return logits * self.scale if self.scale != 1.0 else logits
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the LM head. [rows, H] -> [rows, V or subset]."""
-        if self.lm_head is not None:
-            out = fp8_head_logits(
-                hidden, self.lm_head, vocab_limit=self.columns, workspace=self.lm_head_workspace
-            )
+    def _project(self, x, fp8, workspace, weight, stock) -> torch.Tensor:
+        """``x`` through a head: its FP8 copy, its draft-vocabulary rows, or ``stock``."""
+        if fp8 is not None:
+            out = fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace)
             return self._scaled(out)
         if self.vocab_ids is not None:
-            return self._scaled(torch.nn.functional.linear(hidden, self.lm_weight))
-        return self.model.compute_logits(hidden)
+            return self._scaled(torch.nn.functional.linear(x, weight))
+        return stock(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the LM head. [rows, H] -> [rows, V or subset]."""
+        return self._project(
+            hidden, self.lm_head, self.lm_head_workspace, self.lm_weight, self.model.compute_logits
+        )
 
     def dspark_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """DSpark's base logits: the LM head without the d2t scatter."""
@@ -190,14 +194,13 @@ class DraftHeads:
 
     def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
         """DSpark's Markov transition bias. [rows, r] -> [rows, V or subset]."""
-        if self.markov is not None:
-            out = fp8_head_logits(
-                markov_embed, self.markov, vocab_limit=self.columns, workspace=self.markov_workspace
-            )
-            return self._scaled(out)
-        if self.vocab_ids is not None:
-            return self._scaled(torch.nn.functional.linear(markov_embed, self.markov_weight))
-        return self.model.markov_bias(markov_embed)
+        return self._project(
+            markov_embed,
+            self.markov,
+            self.markov_workspace,
+            self.markov_weight,
+            self.model.markov_bias,
+        )
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         """Token ids of draft-vocabulary indices (the draft model's d2t map, or the
