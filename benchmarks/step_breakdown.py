@@ -138,6 +138,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, fro
 
 from offline_sweep import (  # noqa: E402
     DEFAULT_RATES,
+    DRAFT_VOCAB,
     conditional_rates,
     engine_kwargs,
     heldout_stream,
@@ -156,8 +157,8 @@ SHAPE = "qwen3-8b"
 # field: further speculative-config keys (fp8-k*: DSpark k with the plugin's rowwise FP8
 # draft LM head, on the dspark-k* arms' acceptance).
 FP8_HEAD = {"dspark_fp8_draft_head": True}
-# vocab-k*: DSpark k drafting over the first 32,768 token ids only (dspark_draft_vocab).
-DRAFT_VOCAB = {"dspark_draft_vocab": 32768}
+# vocab-k*: DSpark k drafting over the sweep's -vocab arms' first token ids only.
+VOCAB_HEAD = {"dspark_draft_vocab": DRAFT_VOCAB}
 # Capacity control that admits every draft (all-k7; such a step runs vLLM's uniform step)
 # or all but a few (compact-k7: 0.99 of R*K, every step compacted at 64 and 256 requests),
 # on conf-k7's acceptance: their steps against conf-k7's are the controller's and the
@@ -178,8 +179,8 @@ ARMS = {
     "dspark-k7": (7, "rates", {}),
     "fp8-k1": (1, "rates", FP8_HEAD),
     "fp8-k3": (3, "rates", FP8_HEAD),
-    "vocab-k3": (3, "rates", DRAFT_VOCAB),
-    "vocab-k7": (7, "rates", DRAFT_VOCAB),
+    "vocab-k3": (3, "rates", VOCAB_HEAD),
+    "vocab-k7": (7, "rates", VOCAB_HEAD),
     "conf-k1": (1, "confidence", {}),
     "conf-k3": (3, "confidence", {}),
     "conf-k7": (7, "confidence", {}),
@@ -795,7 +796,7 @@ def batch_time(records: list[dict], concurrency: int, window: int = SHADOW_WINDO
             kind = "prefill"
         else:
             kind = "decode" if rec["num_reqs"] == concurrency else "tail"
-        kinds.setdefault(kind, []).append((host["next_exec_start"] - host["exec_start"]) * 1e3)
+        kinds.setdefault(kind, []).append(host_period_ms(rec))
         gpu[kind] = gpu.get(kind, 0.0) + rec["gpu"].get("next_start", float("nan"))
         requests[kind] = requests.get(kind, 0) + rec["num_reqs"]
     return {
@@ -832,9 +833,7 @@ def prefill_steps(records: list[dict]) -> list[dict]:
                 "requests": rec["num_reqs"],
                 "prefilling": rec["num_prefill"],
                 "tokens": rec["num_tokens"],
-                "ms": round((host["next_exec_start"] - host["exec_start"]) * 1e3, 3)
-                if "next_exec_start" in host
-                else None,
+                "ms": round(host_period_ms(rec), 3) if "next_exec_start" in host else None,
                 "gpu_ms": round(rec["gpu"]["next_start"], 3)
                 if "next_start" in rec["gpu"]
                 else None,
@@ -842,6 +841,11 @@ def prefill_steps(records: list[dict]) -> list[dict]:
             }
         )
     return steps
+
+
+def host_period_ms(rec: dict) -> float:
+    """A step's period on the host: from its execute_model entry to the next's."""
+    return (rec["host"]["next_exec_start"] - rec["host"]["exec_start"]) * 1e3
 
 
 def host_values(rec: dict, outputs: list[dict]) -> dict[str, float]:
@@ -915,7 +919,7 @@ def summarize(data: dict, concurrency: int, k: int, compacted: bool = False) -> 
     }
     if not steps:
         return row | {"step_ms_median": None, "phases_ms": None, "phases_sum_over_step": None}
-    step_ms = [(r["host"]["next_exec_start"] - r["host"]["exec_start"]) * 1e3 for r in steps]
+    step_ms = [host_period_ms(r) for r in steps]
     per_step = [phase_values(r) for r in steps]
     phases = {key: _median(p.get(key) for p in per_step) for key in PHASES}
     segments = [segment_values(r) for r in steps]

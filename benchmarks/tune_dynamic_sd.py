@@ -81,8 +81,7 @@ def with_full_proposal(row: dict, full_draft_ms: float | None) -> float | None:
     own = draft_ms(row)
     if own is None or full_draft_ms is None or "step_ms_median" not in row:
         return None
-    step_ms = row["step_ms_median"] - own + full_draft_ms
-    return row["concurrency"] * (row.get("acceptance_length") or 1.0) * 1e3 / step_ms
+    return decode_tok_s(row, row["step_ms_median"] - own + full_draft_ms)
 
 
 def fixed_k(row: dict) -> int | None:
@@ -99,9 +98,13 @@ def throughput(row: dict) -> float:
     if row.get("decode_tok_s"):
         return row["decode_tok_s"]
     if "step_ms_median" in row:  # breakdowns from before decode_tok_s was recorded
-        acceptance = row.get("acceptance_length") or 1.0
-        return row["concurrency"] * acceptance * 1e3 / row["step_ms_median"]
+        return decode_tok_s(row, row["step_ms_median"])
     return row["tok_s"]
+
+
+def decode_tok_s(row: dict, step_ms: float) -> float:
+    """A breakdown row's requests x acceptance length per step of ``step_ms``."""
+    return row["concurrency"] * (row.get("acceptance_length") or 1.0) * 1e3 / step_ms
 
 
 def table_from_ratios(ratios: dict[int, dict[int, float]]) -> list[list[int]]:
