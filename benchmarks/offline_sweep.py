@@ -64,6 +64,11 @@ ARMS = {
     "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
     # Drafting over part of the vocabulary (an engine of its own).
     "dspark-vocab": {"dspark_draft_vocab": DRAFT_VOCAB},
+    "dspark-fp8-markov-vocab": {
+        "dspark_fp8_draft_head": True,
+        "dspark_fp8_markov_head": True,
+        "dspark_draft_vocab": DRAFT_VOCAB,
+    },
     # vLLM's Dynamic SD: k by batch size (inclusive ranges), the table tune_dynamic_sd.py
     # derived from measured fixed-k rows, each charged the K-draft proposal Dynamic SD runs.
     "dynamic-sd": {"num_speculative_tokens_per_batch_size": DYNAMIC_SD_TABLE},
