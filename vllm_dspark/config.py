@@ -379,10 +379,18 @@ def resolve_options(
         raise DSparkOptionError(_format_errors(error, sources, raw)) from None
 
 
+# vLLM's name for DeepSeek-V4's DSpark module, configured by the target's own config.json.
+DEEPSEEK_V4_DSPARK = "DSparkDraftModel"
+
+
 def _draft_has_confidence_head(speculative_config: Any) -> bool:
+    """``enable_confidence_head`` of the draft's config. DeepSeek-V4's DSpark module, whose
+    config is the target's, is taken to have one unless it says otherwise; its load then
+    fails with a clear message where the checkpoint holds none."""
     draft = getattr(speculative_config, "draft_model_config", None)
     hf_config = getattr(draft, "hf_config", None)
-    return bool(getattr(hf_config, "enable_confidence_head", False))
+    default = DEEPSEEK_V4_DSPARK in (getattr(hf_config, "architectures", None) or ())
+    return bool(getattr(hf_config, "enable_confidence_head", default))
 
 
 def check_against_speculative_config(options: DSparkOptions, speculative_config: Any) -> None:

@@ -1,8 +1,10 @@
 """The DSpark confidence head in inference, and its per-position temperatures.
 
-Stock vLLM 0.26.0 skips the ``confidence_head.*`` weights of a DSpark checkpoint. The
-head is one linear layer over ``[h_k ; markov_w1[x_{k-1}]]`` (the backbone's output at
-draft position k and the Markov embedding of the previous token), giving the logit z_k
+Stock vLLM 0.26.0 skips the ``confidence_head.*`` weights of a DSpark checkpoint
+(``mtp.<stage>.confidence_head.*`` for DeepSeek-V4, whose DSpark module ships in the
+target's checkpoint). The head is one linear layer over ``[h_k ; markov_w1[x_{k-1}]]``
+(the backbone's output at draft position k, as the speculator hands it to the LM head,
+and the Markov embedding of the previous token), giving the logit z_k
 of "draft k survives given drafts 1..k-1 did". Two config.json keys add inputs, both
 statistics of the draft distribution at k (they depend on x_{k-1}, never on x_k, so
 decisions on them stay lossless): ``confidence_head_draft_logprob``, its top-1
@@ -20,6 +22,7 @@ else are 1.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -29,6 +32,10 @@ from vllm_dspark.config import KEY_PREFIX, DSparkOptionError
 
 CALIBRATION_FILE = "dspark_calibration.json"
 PREFIX = "confidence_head."
+# Its tensors' names: a DSpark checkpoint's own, or, where the DSpark module ships inside
+# the target's checkpoint (DeepSeek-V4: mtp.0-2.*), under the stage that holds it.
+TENSOR_NAME = re.compile(r"(?:mtp\.\d+\.)?confidence_head\.(weight|bias)")
+INDEX_FILE = "model.safetensors.index.json"
 DRAFT_LOGPROB_KEY = "confidence_head_draft_logprob"
 DRAFT_MISS_LOGPROB_KEY = "confidence_head_draft_miss_logprob"
 # log(1 - e^l) is -inf at l = 0 and amplifies a rounding of l by e^l / (1 - e^l): l is
@@ -53,6 +60,30 @@ def draft_statistics(top1: torch.Tensor, logprob: bool, miss_logprob: bool) -> t
     if miss_logprob:
         parts.append(torch.log(-torch.expm1(top1.clamp(max=TOP1_LOGPROB_CAP))))
     return torch.stack(parts, dim=-1) if parts else top1.new_zeros((*top1.shape, 0))
+
+
+def _confidence_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """The confidence head's tensors by ``weight`` / ``bias``, read from the shards that
+    hold them (a DeepSeek-V4 checkpoint has dozens; its index names the one)."""
+    files = sorted(directory.glob("*.safetensors"))
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / f for n, f in weight_map.items() if TENSOR_NAME.fullmatch(n)})
+    tensors, names = {}, {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                match = TENSOR_NAME.fullmatch(name)
+                if match is None:
+                    continue
+                if match[1] in tensors:
+                    raise DSparkOptionError(
+                        f"vllm-dspark: {directory} holds two confidence heads, {names[match[1]]} "
+                        f"and {name}; a DSpark drafter has one."
+                    )
+                tensors[match[1]], names[match[1]] = handle.get_tensor(name), name
+    return tensors
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -111,16 +142,11 @@ class ConfidenceHead(torch.nn.Module):
         config = json.loads((directory / "config.json").read_text())
         draft_logprob = bool(config.get(DRAFT_LOGPROB_KEY, False))
         draft_miss_logprob = bool(config.get(DRAFT_MISS_LOGPROB_KEY, False))
-        tensors = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    if name.startswith(PREFIX):
-                        tensors[name.removeprefix(PREFIX)] = handle.get_tensor(name)
+        tensors = _confidence_tensors(directory)
         if "weight" not in tensors:
             raise DSparkOptionError(
                 f"vllm-dspark: the draft checkpoint {model} declares a confidence head but "
-                f"holds no {PREFIX}weight."
+                f"holds no {PREFIX}weight (nor mtp.<stage>.{PREFIX}weight)."
             )
         weight = tensors["weight"]
         weight = weight.reshape(1, -1) if weight.dim() < 2 else weight

@@ -41,6 +41,11 @@ logger = init_logger(f"vllm.{__name__}")
 
 # e4m3 tensor-core matmuls exist from Ada (8.9) and Hopper (9.0) on.
 MIN_FP8_CAPABILITY = (8, 9)
+# Drafters whose ``compute_logits`` normalises the hidden state before the LM head (the
+# speculator hands them the backbone's pre-norm output): DeepSeek-V4's DSpark module. The
+# private heads apply the same norm; the confidence head reads the pre-norm state, as the
+# speculator passes it.
+PRE_HEAD_NORM_DRAFTERS = ("DSparkDeepseekV4ForCausalLM",)
 
 
 def _check_fp8_supported(option: str, weight: torch.Tensor) -> None:
@@ -99,6 +104,9 @@ def vocab_subset(option: int | list[int], vocab_size: int, device: torch.device)
 class DraftHeads:
     def __init__(self, model: torch.nn.Module, options: DSparkOptions, max_rows: int):
         self.model = model
+        self.head_norm = (
+            model.model.norm if type(model).__name__ in PRE_HEAD_NORM_DRAFTERS else None
+        )
         processor = model.logits_processor
         # What the draft's LogitsProcessor would apply after the projection.
         self.vocab_limit = processor.org_vocab_size
@@ -171,20 +179,24 @@ class DraftHeads:
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         return logits * self.scale if self.scale != 1.0 else logits
 
-    def _project(self, x, fp8, workspace, weight, stock) -> torch.Tensor:
-        """``x`` through a head: its FP8 copy, its draft-vocabulary rows, or ``stock``."""
+    def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head's rows multiply: ``hidden``, normalised where the drafter's own
+        ``compute_logits`` does so."""
+        return hidden if self.head_norm is None else self.head_norm(hidden)
+
+    def _project(self, x, fp8, workspace, weight) -> torch.Tensor:
+        """``x`` through a private head: its FP8 copy, else its draft-vocabulary rows."""
         if fp8 is not None:
             out = fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace)
             return self._scaled(out)
-        if self.vocab_ids is not None:
-            return self._scaled(torch.nn.functional.linear(x, weight))
-        return stock(x)
+        return self._scaled(torch.nn.functional.linear(x, weight))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the LM head. [rows, H] -> [rows, V or subset]."""
-        return self._project(
-            hidden, self.lm_head, self.lm_head_workspace, self.lm_weight, self.model.compute_logits
-        )
+        if not self.private:
+            return self.model.compute_logits(hidden)
+        x = self._head_input(hidden)
+        return self._project(x, self.lm_head, self.lm_head_workspace, self.lm_weight)
 
     def dspark_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """DSpark's base logits: the LM head without the d2t scatter."""
@@ -194,13 +206,9 @@ class DraftHeads:
 
     def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
         """DSpark's Markov transition bias. [rows, r] -> [rows, V or subset]."""
-        return self._project(
-            markov_embed,
-            self.markov,
-            self.markov_workspace,
-            self.markov_weight,
-            self.model.markov_bias,
-        )
+        if self.markov is None and self.vocab_ids is None:
+            return self.model.markov_bias(markov_embed)
+        return self._project(markov_embed, self.markov, self.markov_workspace, self.markov_weight)
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         """Token ids of draft-vocabulary indices (the draft model's d2t map, or the
@@ -226,7 +234,12 @@ class DraftHeads:
         if self.lm_head is None and self.markov is None:
             return logits.argmax(dim=-1)
         return rescored_argmax(
-            logits, hidden, self.lm_weight, markov_embed, self.markov_weight, self.scale
+            logits,
+            self._head_input(hidden),
+            self.lm_weight,
+            markov_embed,
+            self.markov_weight,
+            self.scale,
         )
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -238,7 +251,10 @@ class DraftHeads:
             index = self.logits(hidden).argmax(dim=-1)
         else:
             index, _ = fp8_head_argmax(
-                hidden, self.lm_head, vocab_limit=self.columns, workspace=self.lm_head_workspace
+                self._head_input(hidden),
+                self.lm_head,
+                vocab_limit=self.columns,
+                workspace=self.lm_head_workspace,
             )
             # A NaN row gives -1: propose the first token instead, which verification
             # rejects like any wrong draft (a -1 would be read as an input id next step).
