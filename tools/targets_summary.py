@@ -4,6 +4,8 @@
         --out benchmarks/results/capacity_targets.json
     python tools/targets_summary.py benchmarks/results depth-sts \
         --out benchmarks/results/depth_sts.json
+    python tools/targets_summary.py benchmarks/results step-cost \
+        --out benchmarks/results/step_cost_targets.json
 
 Reads from RESULTS_DIR what the GPU stages wrote (``tools/device/gpu_stage.sh``). For
 ``capacity`` (confidence-scheduled capacity): ``capacity_sweep.json`` (one run per setup:
@@ -12,8 +14,12 @@ the newest ``step_breakdown_overhead_*.json`` (``breakdown`` with ``conf-k7,all-
 ``depth-sts`` (physical depth, DFlash's acceptance controller, online STS):
 ``depth_time.json`` (``depth``), ``capacity_sweep.json`` (setup (b)'s arms with and
 without dynamic depth), ``dflash_acceptance.json`` (``dflash``) and ``online_sts.json``
-(``sts``). Writes one entry per target: {target, passes, measured, evidence}, ``passes``
-None where its record is missing (named on standard error, never guessed).
+(``sts``). For ``step-cost`` (the fixed cost of a speculative step): ``step_breakdown.json``
+(``breakdown``), the newest ``step_breakdown_graphs*.json`` (the k=1 step with graphs to
+1,024 tokens) and the newest ``fixed_k3*.json`` (``fixed-k`` at k=3: no speculation, stock
+DSpark, the plugin's cuts). Writes one entry per target: {target, passes, measured,
+evidence}, ``passes`` None where its record is missing (named on standard error, never
+guessed).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ EMBEDDED_SETUP = "embedded"  # setup (a)
 SPS_UNDER_LOAD = 1.10  # setup (b): sps over no speculation at 256 requests
 SPS_AGAINST_BEST = 0.97  # setup (b): sps over the best other arm, every concurrency
 OVERHEAD_LIMIT = 1.03  # admit-everything step over fixed k=7's, 64 requests
+K1_STEP_LIMIT = 1.4  # DSpark k=1 step over no speculation's, 256 requests
+PHASES_TOLERANCE = 0.05  # the breakdown's phases against the measured step
 CACHED_TTFT = 0.7  # an arm's time to a first token below this share of no speculation's
 # The sweep's confidence-scheduled capacity arms, those of the sps mode (setup (b)'s sps
 # targets hold for the mode if one of its configurations meets them), and its fixed-depth
@@ -338,6 +346,57 @@ def controller_overhead(record: dict) -> dict:
     }
 
 
+def k1_step_under_load(record: dict) -> dict:
+    steps = {
+        row["arm"]: row["step_ms_median"] for row in record["rows"] if row["concurrency"] == 256
+    }
+    ratio = steps["dspark-k1"] / steps["nospec"]
+    return {
+        "target": f"DSpark k=1 step <= {K1_STEP_LIMIT}x no speculation's at 256 requests",
+        "passes": ratio <= K1_STEP_LIMIT,
+        "measured": {"k1_ms": steps["dspark-k1"], "nospec_ms": steps["nospec"], "ratio": ratio},
+    }
+
+
+def k3_under_load(record: dict) -> dict:
+    """Stock DSpark k=3 or any of the plugin's cuts at k=3 (every arm of the record but no
+    speculation) against no speculation, 256 requests."""
+    tok_s = _tok_s(record["rows"])
+    ratios = {arm: value / tok_s["nospec", 256] for (arm, c), value in tok_s.items() if c == 256}
+    del ratios["nospec"]
+    return {
+        "target": "DSpark k=3 >= 1.0x no speculation's throughput at 256 requests",
+        "passes": max(ratios.values()) >= 1.0,
+        "measured": ratios,
+    }
+
+
+def no_cut_slower_at_one_request(record: dict) -> dict:
+    """Each of the plugin's arms at k=3 against stock DSpark k=3, one request."""
+    tok_s = _tok_s(record["rows"])
+    ratios = {
+        arm: value / tok_s["dspark", 1]
+        for (arm, c), value in tok_s.items()
+        if c == 1 and arm not in ("nospec", "dspark")
+    }
+    return {
+        "target": "at one request no arm slower than stock DSpark",
+        "passes": all(ratio >= 1.0 for ratio in ratios.values()),
+        "measured": ratios,
+    }
+
+
+def phases_add_up(record: dict) -> dict:
+    off = {
+        f"{row['arm']}@{row['concurrency']}": row["phases_sum_over_step"] for row in record["rows"]
+    }
+    return {
+        "target": f"the breakdown's phases add up to the step within {PHASES_TOLERANCE:.0%}",
+        "passes": all(abs(ratio - 1) <= PHASES_TOLERANCE for ratio in off.values()),
+        "measured": off,
+    }
+
+
 # Per issue: (record file, or a glob whose newest match by date counts; check).
 CHECKS = {
     "capacity": [
@@ -351,6 +410,12 @@ CHECKS = {
         ("capacity_sweep.json", depth_gain),
         ("dflash_acceptance.json", dflash),
         ("online_sts.json", online_sts),
+    ],
+    "step-cost": [
+        ("step_breakdown_graphs*.json", k1_step_under_load),
+        ("fixed_k3*.json", k3_under_load),
+        ("fixed_k3*.json", no_cut_slower_at_one_request),
+        ("step_breakdown.json", phases_add_up),
     ],
 }
 

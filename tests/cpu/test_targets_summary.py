@@ -90,7 +90,7 @@ def test_every_target_is_checked_from_its_record(tmp_path):
 
 
 def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
-    for issue in ("capacity", "depth-sts"):
+    for issue in ("capacity", "depth-sts", "step-cost"):
         entries, missing = summarize(tmp_path, issue)
         assert len(missing) == 4
         assert all(entry["passes"] is None and entry["measured"] is None for entry in entries)
@@ -194,3 +194,27 @@ def test_every_sps_configuration_of_the_sweep_counts_for_the_sps_mode():
     sps = {arm for arm, options in ARMS.items() if (options or {}).get("dspark_capacity") == "sps"}
     assert "sps-depth-plain-fp8" in sps and set(SPS_MODE_ARMS) == sps
     assert {"budget", "threshold"} | sps == set(CAPACITY_ARMS)
+
+
+def test_step_cost_targets_take_the_best_cut_and_the_newest_k3_run(tmp_path):
+    breakdown = [
+        {"arm": arm, "concurrency": 256, "step_ms_median": ms, "phases_sum_over_step": ratio}
+        for arm, ms, ratio in [("nospec", 10.0, 0.97), ("dspark-k1", 13.9, 1.06)]
+    ]
+    write(tmp_path, "step_breakdown_graphs1024_x.json", {"rows": breakdown})
+    write(tmp_path, "step_breakdown.json", {"rows": breakdown})
+    old = {("nospec", 256): 100.0, ("dspark", 256): 120.0, ("nospec", 1): 10.0, ("dspark", 1): 20.0}
+    write(tmp_path, "fixed_k3_old.json", {"date": "1", "rows": sweep_rows("s", old)})
+    new = {("nospec", 256): 100.0, ("dspark", 256): 98.0, ("dspark-vocab", 256): 101.0}
+    new |= {("dspark", 1): 20.0, ("dspark-vocab", 1): 19.9}
+    write(tmp_path, "fixed_k3_new.json", {"date": "2", "rows": sweep_rows("s", new)})
+    entries, missing = summarize(tmp_path, "step-cost")
+    assert missing == []
+    k1, k3, one_request, phases = entries
+    assert k1["passes"] and abs(k1["measured"]["ratio"] - 1.39) < 1e-9
+    # The newest record counts, and its best arm: the cut, not stock.
+    assert k3["passes"] and k3["evidence"]["file"].endswith("fixed_k3_new.json")
+    assert k3["measured"] == {"dspark": 0.98, "dspark-vocab": 1.01}
+    assert one_request["passes"] is False
+    assert one_request["measured"] == {"dspark-vocab": pytest.approx(0.995)}
+    assert phases["passes"] is False and phases["measured"]["dspark-k1@256"] == 1.06
