@@ -3,6 +3,8 @@
 #   bash tools/device/gpu_stage.sh STAGE [COMMIT]
 # Stages:
 #   kernels  FP8 head and capacity kernel tests + FP8 head benchmark (no vLLM needed)
+#   sharded-heads  the FP8 heads split over two tensor-parallel ranks (threads on one GPU)
+#            against one unsharded rank (vLLM installed, no engine)
 #   smoke    the capacity kernel tests and one bf16 engine of the embedded pair with every
 #            capacity option (~2 min; queue it as "smoke!" so a failure stops the queue)
 #   recal    recalibrate the embedded pair's confidence head (tools/train_tiny_pair.py
@@ -88,6 +90,10 @@ case "$stage" in
   kernels)
     PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_capacity_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
     PYTHONPATH=. timeout 200 python3 benchmarks/bench_fp8_draft_head.py --out "$OUT/fp8_head.json" 2>&1 | tail -30
+    ;;
+  sharded-heads)
+    vllm_env
+    timeout 300 python3 -m pytest tests/gpu/test_sharded_heads_gpu.py -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/sharded_heads.log" | tail -8
     ;;
   smoke)
     vllm_env; use_recalibrated

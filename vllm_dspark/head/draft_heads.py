@@ -20,6 +20,10 @@ Triton kernels of :mod:`vllm_dspark.head.fp8_head_kernel`; ``dspark_fp8_markov_h
 does the same for the Markov head's projection. The bf16 weights stay untouched:
 verification runs the target's own head, so outputs stay lossless.
 
+Under tensor parallelism each rank quantises its own vocabulary shard of the heads and
+the ranks combine as vLLM's logits do (:mod:`vllm_dspark.head.vocab_shards`); a draft
+vocabulary is refused there.
+
 Greedy DSpark drafting with an FP8 head picks its token among the FP8 logits' top
 ``rescore.RESCORE_CANDIDATES`` by the bf16 weights' own dot products (a gather of a few weight
 rows per draft row): e4m3 rounding alone flipped 1.9% of the embedded pair's draft argmaxes
@@ -36,6 +40,7 @@ from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.head.fp8_head_kernel import HeadWorkspace, fp8_head_argmax, fp8_head_logits
 from vllm_dspark.head.fp8_rowwise import Fp8RowwiseWeight
 from vllm_dspark.head.rescore import rescored_argmax
+from vllm_dspark.head.vocab_shards import VocabShard, combine_argmax, gather_logits
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -57,14 +62,10 @@ def _check_fp8_supported(option: str, weight: torch.Tensor) -> None:
             f"capability 8.9 or newer; {torch.cuda.get_device_name(device)} has "
             f"{capability[0]}.{capability[1]}. Valid here: {KEY_PREFIX}{option}=false."
         )
-    _check_unsharded(option)
 
 
-def _check_unsharded(option: str) -> None:
-    """The private heads hold whole vocabulary rows; a TP rank holds a shard of them."""
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    tp = get_tensor_model_parallel_world_size()
+def _check_unsharded(option: str, tp: int) -> None:
+    """A draft vocabulary holds whole vocabulary rows; a TP rank holds a shard of them."""
     if tp > 1:
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}{option} does not handle a vocabulary-sharded head yet "
@@ -103,6 +104,8 @@ def vocab_subset(option: int | list[int], vocab_size: int, device: torch.device)
 
 class DraftHeads:
     def __init__(self, model: torch.nn.Module, options: DSparkOptions, max_rows: int):
+        from vllm import distributed
+
         self.model = model
         self.head_norm = (
             model.model.norm if type(model).__name__ in PRE_HEAD_NORM_DRAFTERS else None
@@ -136,13 +139,26 @@ class DraftHeads:
                 f"vllm-dspark: {KEY_PREFIX}{name} needs a full-vocabulary draft; this "
                 "draft has a reduced vocabulary (d2t)."
             )
-        # The rows the heads score: all (the model's own weights) or the draft vocabulary's.
+        # The rows the heads score: all (the model's own weights; this rank's vocabulary
+        # shard under tensor parallelism) or the draft vocabulary's.
         self.vocab_ids = None
         lm_weight = model.lm_head.weight.data
         markov = getattr(getattr(model, "model", None), "markov_head", None)
         markov_weight = markov.markov_w2.weight.data if markov is not None else None
+        # Stock heads (no private option) are the model's own, sharded or not.
+        tp = distributed.get_tensor_model_parallel_world_size() if private else 1
+        self.shard = VocabShard.of(model.lm_head) if tp > 1 else None
+        if self.shard is not None:
+            self._all_gather = distributed.tensor_model_parallel_all_gather
+            self._all_reduce = distributed.tensor_model_parallel_all_reduce
+            if markov is not None and VocabShard.of(markov.markov_w2) != self.shard:
+                raise DSparkOptionError(
+                    f"vllm-dspark: {private[0]} needs the Markov head sharded as the LM head "
+                    f"under tensor parallelism; they are {VocabShard.of(markov.markov_w2)} "
+                    f"and {self.shard}."
+                )
         if options.draft_vocab is not None:
-            _check_unsharded("draft_vocab")
+            _check_unsharded("draft_vocab", tp)
             self.vocab_ids = vocab_subset(options.draft_vocab, self.vocab_limit, lm_weight.device)
             lm_weight = lm_weight[self.vocab_ids].contiguous()
             if markov_weight is not None:
@@ -165,8 +181,13 @@ class DraftHeads:
         self.markov = None
         if options.fp8_markov_head:
             self.markov = _quantize("fp8_markov_head", markov_weight)
-        # The FP8 kernels' columns: the subset's, or the processor's unpadded vocabulary.
-        self.columns = self.vocab_limit if self.vocab_ids is None else len(self.vocab_ids)
+        # The FP8 kernels' columns: the subset's, the shard's tokens, or the processor's
+        # unpadded vocabulary.
+        self.columns = self.vocab_limit
+        if self.vocab_ids is not None:
+            self.columns = len(self.vocab_ids)
+        elif self.shard is not None:
+            self.columns = self.shard.valid
         # Preallocated once, so that captured graphs never allocate kernel scratch space.
         self.lm_head_workspace = self.lm_head and HeadWorkspace.allocate(max_rows, self.lm_head)
         self.markov_workspace = self.markov and HeadWorkspace.allocate(max_rows, self.markov)
@@ -185,11 +206,17 @@ class DraftHeads:
         return hidden if self.head_norm is None else self.head_norm(hidden)
 
     def _project(self, x, fp8, workspace, weight) -> torch.Tensor:
-        """``x`` through a private head: its FP8 copy, else its draft-vocabulary rows."""
-        if fp8 is not None:
+        """``x`` through a private head: its FP8 copy (this rank's shard, gathered over the
+        ranks under tensor parallelism), else its draft-vocabulary rows."""
+        if fp8 is None:
+            return self._scaled(torch.nn.functional.linear(x, weight))
+        if self.shard is None:
             out = fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace)
             return self._scaled(out)
-        return self._scaled(torch.nn.functional.linear(x, weight))
+        # The shard's padding rows at -inf, as the gather's layout needs every rank's S.
+        local = x.new_empty(x.shape[0], self.shard.size)
+        fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace, out=local)
+        return self._scaled(gather_logits(local, self.shard, self._all_gather))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the LM head. [rows, H] -> [rows, V or subset]."""
@@ -233,6 +260,9 @@ class DraftHeads:
         (module docstring)."""
         if self.lm_head is None and self.markov is None:
             return logits.argmax(dim=-1)
+        sharded = {}
+        if self.shard is not None:
+            sharded = {"first_id": self.shard.start, "all_reduce": self._all_reduce}
         return rescored_argmax(
             logits,
             self._head_input(hidden),
@@ -240,6 +270,7 @@ class DraftHeads:
             markov_embed,
             self.markov_weight,
             self.scale,
+            **sharded,
         )
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -250,12 +281,14 @@ class DraftHeads:
         if self.lm_head is None or self.scale <= 0:  # a non-positive scale reorders logits
             index = self.logits(hidden).argmax(dim=-1)
         else:
-            index, _ = fp8_head_argmax(
+            index, value = fp8_head_argmax(
                 self._head_input(hidden),
                 self.lm_head,
                 vocab_limit=self.columns,
                 workspace=self.lm_head_workspace,
             )
+            if self.shard is not None:
+                return combine_argmax(index, value, self.shard, self._all_gather)
             # A NaN row gives -1: propose the first token instead, which verification
             # rejects like any wrong draft (a -1 would be read as an input id next step).
             index = index.clamp_(min=0)
