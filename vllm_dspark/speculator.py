@@ -194,15 +194,21 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
             )
         if self.options.needs_confidence and self.synthetic is None:
             checkpoint = self.draft_model_config.model
+            download_dir = self.vllm_config.load_config.download_dir
             rank = model.model.markov_head.markov_w1.weight.shape[1]
             self.confidence = ConfidenceHead.from_checkpoint(
-                checkpoint, self.hidden_size + rank, self.num_speculative_steps, self.device
+                checkpoint,
+                self.hidden_size + rank,
+                self.num_speculative_steps,
+                self.device,
+                download_dir,
             )
             self.temperatures = resolve_temperatures(
                 self.options.confidence_temperature,
                 checkpoint,
                 self.num_speculative_steps,
                 self.device,
+                download_dir,
             )
         if self.options.confidence_metrics:
             self.calibration = CalibrationStats(self.num_speculative_steps, self.device)

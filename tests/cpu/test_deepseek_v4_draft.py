@@ -127,3 +127,15 @@ def test_private_heads_normalise_as_the_drafters_own_head_does(one_rank):
         assert torch.equal(heads.greedy_tokens(hidden), best)
         unnormed = lm_head(hidden)[:, subset]
     assert not torch.allclose(unnormed, full[:, subset])
+
+
+def test_temperatures_come_from_the_option_else_the_checkpoints_calibration(tmp_path):
+    from vllm_dspark.capacity.confidence import CALIBRATION_FILE, resolve_temperatures
+
+    write_sharded(tmp_path, {"a.safetensors": {"mtp.2.norm.weight": torch.randn(HIDDEN)}})
+    assert resolve_temperatures(None, str(tmp_path), K, "cpu").tolist() == [1.0] * K
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"temperatures": [1.5] * 7}))
+    assert resolve_temperatures(None, str(tmp_path), K, "cpu").tolist() == [1.5] * K
+    assert resolve_temperatures([2.0] * K, str(tmp_path), K, "cpu").tolist() == [2.0] * K
+    with pytest.raises(DSparkOptionError, match="has 7 values; num_speculative_tokens=8"):
+        resolve_temperatures(None, str(tmp_path), 8, "cpu")

@@ -62,14 +62,30 @@ def draft_statistics(top1: torch.Tensor, logprob: bool, miss_logprob: bool) -> t
     return torch.stack(parts, dim=-1) if parts else top1.new_zeros((*top1.shape, 0))
 
 
-def _confidence_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def _checkpoint_files(model: str, patterns: list[str], download_dir: str | None) -> Path:
+    """The checkpoint's folder holding the files ``patterns`` match: the folder itself, or
+    a Hub snapshot of just those files (in vLLM's download_dir where one is set)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=patterns, cache_dir=download_dir))
+
+
+def _confidence_tensors(model: str, download_dir: str | None) -> dict[str, torch.Tensor]:
     """The confidence head's tensors by ``weight`` / ``bias``, read from the shards that
     hold them (a DeepSeek-V4 checkpoint has dozens; its index names the one)."""
-    files = sorted(directory.glob("*.safetensors"))
+    directory = _checkpoint_files(model, ["*.json"], download_dir)
     index = directory / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({directory / f for n, f in weight_map.items() if TENSOR_NAME.fullmatch(n)})
+        shards = sorted({f for n, f in weight_map.items() if TENSOR_NAME.fullmatch(n)})
+        directory = _checkpoint_files(model, shards, download_dir) if shards else directory
+        files = [directory / shard for shard in shards]
+    else:
+        directory = _checkpoint_files(model, ["*.safetensors"], download_dir)
+        files = sorted(directory.glob("*.safetensors"))
     tensors, names = {}, {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
@@ -79,20 +95,11 @@ def _confidence_tensors(directory: Path) -> dict[str, torch.Tensor]:
                     continue
                 if match[1] in tensors:
                     raise DSparkOptionError(
-                        f"vllm-dspark: {directory} holds two confidence heads, {names[match[1]]} "
+                        f"vllm-dspark: {model} holds two confidence heads, {names[match[1]]} "
                         f"and {name}; a DSpark drafter has one."
                     )
                 tensors[match[1]], names[match[1]] = handle.get_tensor(name), name
     return tensors
-
-
-def _checkpoint_dir(model: str) -> Path:
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"]))
 
 
 class ConfidenceHead(torch.nn.Module):
@@ -136,13 +143,18 @@ class ConfidenceHead(torch.nn.Module):
 
     @classmethod
     def from_checkpoint(
-        cls, model: str, hidden_and_rank: int, num_drafts: int, device: torch.device
+        cls,
+        model: str,
+        hidden_and_rank: int,
+        num_drafts: int,
+        device: torch.device,
+        download_dir: str | None = None,
     ):
-        directory = _checkpoint_dir(model)
+        directory = _checkpoint_files(model, ["*.json"], download_dir)
         config = json.loads((directory / "config.json").read_text())
         draft_logprob = bool(config.get(DRAFT_LOGPROB_KEY, False))
         draft_miss_logprob = bool(config.get(DRAFT_MISS_LOGPROB_KEY, False))
-        tensors = _confidence_tensors(directory)
+        tensors = _confidence_tensors(model, download_dir)
         if "weight" not in tensors:
             raise DSparkOptionError(
                 f"vllm-dspark: the draft checkpoint {model} declares a confidence head but "
@@ -172,12 +184,17 @@ class ConfidenceHead(torch.nn.Module):
 
 
 def resolve_temperatures(
-    configured: list[float] | None, model: str, num_drafts: int, device: torch.device
+    configured: list[float] | None,
+    model: str,
+    num_drafts: int,
+    device: torch.device,
+    download_dir: str | None = None,
 ) -> torch.Tensor:
     """Per-position temperatures [K]: the option, else the checkpoint's, else ones."""
     temperatures = configured
     if temperatures is None:
-        calibration = _checkpoint_dir(model) / CALIBRATION_FILE
+        directory = _checkpoint_files(model, [CALIBRATION_FILE], download_dir)
+        calibration = directory / CALIBRATION_FILE
         if calibration.is_file():
             temperatures = json.loads(calibration.read_text())["temperatures"]
     if temperatures is None:
