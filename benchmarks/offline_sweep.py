@@ -64,6 +64,8 @@ ARMS = {
     "dspark-fp8-markov": {"dspark_fp8_draft_head": True, "dspark_fp8_markov_head": True},
     # Drafting over part of the vocabulary (an engine of its own).
     "dspark-vocab": {"dspark_draft_vocab": DRAFT_VOCAB},
+    # The drafter's own layers in FP8 (an engine of its own).
+    "dspark-fp8-backbone": {"dspark_fp8_draft_backbone": True},
     "dspark-fp8-markov-vocab": {
         "dspark_fp8_draft_head": True,
         "dspark_fp8_markov_head": True,
@@ -110,6 +112,14 @@ ARMS = {
         "dspark_plain_steps": True,
         "dspark_fp8_draft_head": True,
     },
+    # ... drafting with the drafter's own layers in FP8 (an engine of its own).
+    "sps-depth-plain-fp8-backbone": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_fp8_draft_backbone": True,
+    },
     # ... drafting over part of the vocabulary (an engine of its own).
     "sps-depth-plain-vocab": {
         "dspark_capacity": "sps",
@@ -154,6 +164,14 @@ ARMS = {
         "dspark_varlen_verify": True,
         "dspark_dynamic_depth": True,
         "dspark_plain_steps": True,
+    },
+    "dflash-depth-plain-fp8-backbone": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_fp8_draft_backbone": True,
     },
     "dflash-depth-plain-vocab": {
         "method": "dflash",

@@ -161,6 +161,12 @@ class DSparkOptions(BaseModel):
     fp8_markov_head: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Also use rowwise FP8 for the DSpark Markov head's vocabulary projection."""
 
+    fp8_draft_backbone: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """Run the drafter's own layers in FP8: vLLM's online FP8 quantisation of a bf16 draft
+    (the speculative config's ``quantization: fp8``), with the context-K/V projection that
+    vLLM 0.26.0's DFlash-family drafters read as bf16 rebuilt from the dequantised
+    weights. Verification keeps the target's weights."""
+
     draft_vocab: Annotated[int, Strict(), Field(gt=0)] | list[Annotated[int, Strict()]] | None = (
         Field(
             None,
@@ -433,6 +439,21 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             f"vllm-dspark: {KEY_PREFIX}plain_steps=True decides the drafts each step "
             "schedules, which vLLM's Dynamic SD table num_speculative_tokens_per_batch_size "
             "also does; set one of the two."
+        )
+    draft = getattr(speculative_config, "draft_model_config", None)
+    checkpoint_quantization = getattr(
+        getattr(draft, "hf_config", None), "quantization_config", None
+    )
+    if options.fp8_draft_backbone and checkpoint_quantization:
+        method = (
+            checkpoint_quantization.get("quant_method")
+            if isinstance(checkpoint_quantization, dict)
+            else type(checkpoint_quantization).__name__
+        )
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}fp8_draft_backbone=True quantises a bf16 draft; "
+            f"{speculative_config.model} is already quantised ({method}). Valid here: "
+            f"{KEY_PREFIX}fp8_draft_backbone=false."
         )
     if options.synthetic_confidence is not None:
         if getattr(speculative_config, "rejection_sample_method", None) == "synthetic":

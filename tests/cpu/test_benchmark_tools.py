@@ -91,12 +91,12 @@ def test_offline_sweep_arms_build_engine_configs(engine_config, model_dirs, tmp_
 
 
 def test_only_switchable_capacity_arms_share_an_engine():
-    """A shared engine switches capacity options; an FP8 head or a draft vocabulary is
-    loaded at start-up, so its arm gets an engine of its own."""
+    """A shared engine switches capacity options; an FP8 head, a draft vocabulary or an FP8
+    drafter is loaded at start-up, so its arm gets an engine of its own."""
     from offline_sweep import ARMS, is_shareable_arm
 
     assert is_shareable_arm("sps-depth-plain") and is_shareable_arm("dflash-plain")
-    own_heads = ("-fp8", "-vocab")
+    own_heads = ("-fp8", "-vocab", "-fp8-backbone")
     assert not any(is_shareable_arm(arm) for arm in ARMS if arm.endswith(own_heads))
     assert not is_shareable_arm("dspark") and not is_shareable_arm("nospec")
     assert all(

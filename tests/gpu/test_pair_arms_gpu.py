@@ -24,11 +24,14 @@ no speculation, and do what they are for.
 - the rowwise-FP8 draft head (with its bf16 rescoring of the top candidates) picks the bf16
   head's draft tokens on the pair's real hidden states (at least 99.5%) and keeps the
   acceptance length within 1% of the bf16 head's. Both run in bf16, the FP8 kernels'
-  only dtype.
+  only dtype;
+- the drafter's layers in FP8 (``dspark_fp8_draft_backbone``) keep greedy bf16 outputs
+  equal to no speculation's except at near ties, judged as the compacted graphs above, and
+  record what acceptance loses against the bf16 drafter.
 
 The float32 tests (``-k lossless``), the bf16 graph test (``-k compacted``) and the FP8
-ones (``-k fp8``) start separate engines and can run as three processes. Set
-DSPARK_RESULTS_DIR to also write ``pair_arms.json`` there.
+ones (``-k fp8``, the drafter's among them) start separate engines and can run as three
+processes. Set DSPARK_RESULTS_DIR to also write ``pair_arms.json`` there.
 """
 
 from collections import Counter
@@ -58,6 +61,8 @@ ARMS = {
     "nospec-bf16": (None, "bfloat16"),
     "dspark-bf16": ({}, "bfloat16"),
     "fp8": ({"dspark_fp8_draft_head": True}, "bfloat16"),
+    # The drafter's own layers in vLLM's online FP8 (bf16 models only).
+    "fp8-backbone": ({"dspark_fp8_draft_backbone": True}, "bfloat16"),
     # Drafting over a quarter of the pair's token ids: the first, or the most frequent in
     # the held-out prompts (how tools/draft_vocab.py ranks them).
     "vocab": ({"dspark_draft_vocab": VOCAB_SUBSET}, "float32"),
@@ -307,6 +312,29 @@ def test_fp8_draft_head_keeps_acceptance(arms):
         },
     )
     assert abs(change) <= MAX_ACCEPTANCE_CHANGE
+
+
+def test_an_fp8_drafter_keeps_outputs(arms):
+    nospec, bf16, fp8 = arms["nospec-bf16"], arms["dspark-bf16"], arms["fp8-backbone"]
+    divergences = first_divergences(
+        dict(enumerate(fp8["token_ids"])),
+        dict(enumerate(nospec["token_ids"])),
+        dict(enumerate(nospec["margins"])),
+    )
+    _record(
+        "fp8_drafter",
+        {
+            "dtype": "bfloat16",
+            "prompts": NUM_PROMPTS,
+            "greedy_identical_prompts": NUM_PROMPTS - len(divergences),
+            "divergences": divergences,
+            "acceptance_length_bf16_drafter": bf16["acceptance_length"],
+            "acceptance_length_fp8_drafter": fp8["acceptance_length"],
+        },
+    )
+    beyond = {p: d for p, d in divergences.items() if d["gap"] >= BF16_TIE_GAP}
+    assert not beyond, beyond
+    assert fp8["spec_decode"]["accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("arm", ["vocab", "vocab-frequent"])

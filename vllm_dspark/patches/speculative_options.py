@@ -7,7 +7,9 @@ vLLM then builds from the remaining keys, and stored in
 ``EngineArgs.additional_config["dspark"]``, from which ``VllmConfig`` carries them to
 every engine-core and worker process. With no option set it calls the stock method
 and stores nothing, so the config (and its hash) stays stock. ``dspark_plain_steps`` also
-sets the Dynamic SD table of :func:`vllm_dspark.capacity.plain_steps.dynamic_sd_table`.
+sets the Dynamic SD table of :func:`vllm_dspark.capacity.plain_steps.dynamic_sd_table`;
+``dspark_fp8_draft_backbone`` sets the draft's ``quantization`` to ``fp8`` (vLLM's online
+FP8 of a bf16 checkpoint) before vLLM builds the draft's model config.
 Why: ``SpeculativeConfig`` is a pydantic dataclass with ``extra="forbid"``, so an
 unknown key fails, and vLLM has no way for a plugin to declare speculative options.
 Upstream: no plugin-extensible speculative config in vLLM 0.26.0 (a speculator
@@ -52,6 +54,8 @@ def _make_wrapper(create_speculative_config):
         options, overrides = resolve_options(our_keys)
         for line in overrides:
             logger.warning("vllm-dspark: %s (the environment wins).", line)
+        if options.fp8_draft_backbone:
+            stock_keys = {**stock_keys, "quantization": _draft_quantization(stock_keys)}
         self.speculative_config = stock_keys
         try:
             speculative_config = create_speculative_config(self, *args, **kwargs)
@@ -86,6 +90,17 @@ def _make_wrapper(create_speculative_config):
         return speculative_config
 
     return create_speculative_config_with_dspark
+
+
+def _draft_quantization(stock_keys: dict[str, Any]) -> str:
+    given = stock_keys.get("quantization")
+    if given not in (None, "fp8"):
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}fp8_draft_backbone=True quantises the draft to fp8, "
+            f"and the speculative config asks quantization={given!r}. Valid: drop one of the "
+            "two."
+        )
+    return "fp8"
 
 
 def apply() -> None:
