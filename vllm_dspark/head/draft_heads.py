@@ -153,9 +153,9 @@ class DraftHeads:
             self._all_reduce = distributed.tensor_model_parallel_all_reduce
             if markov is not None and VocabShard.of(markov.markov_w2) != self.shard:
                 raise DSparkOptionError(
-                    f"vllm-dspark: {private[0]} needs the Markov head sharded as the LM head "
-                    f"under tensor parallelism; they are {VocabShard.of(markov.markov_w2)} "
-                    f"and {self.shard}."
+                    f"vllm-dspark: {KEY_PREFIX}{private[0]} needs the Markov head sharded "
+                    "as the LM head under tensor parallelism; they are "
+                    f"{VocabShard.of(markov.markov_w2)} and {self.shard}."
                 )
         if options.draft_vocab is not None:
             _check_unsharded("draft_vocab", tp)
