@@ -93,11 +93,15 @@ def _row(results: Path, name: str, arm: str, concurrency: int) -> dict:
     return found[0]
 
 
-def measured_costs(results: Path, concurrency: int, vocab_share: float = 1.0) -> dict:
+def measured_costs(
+    results: Path, concurrency: int, vocab_share: float = 1.0, backbone_scale: float = 1.0
+) -> dict:
     """Forward ms at R * multiple tokens, the no-speculation step, and draft ms by depth.
     ``vocab_share`` < 1 (``dspark_draft_vocab``, a share of the vocabulary): each depth's
     time past the backbone, the per-position work that scores the vocabulary, shrinks to
-    that share (the backbone taken as depth 1's time less one position's mean cost)."""
+    that share (the backbone taken as depth 1's time less one position's mean cost).
+    ``backbone_scale`` < 1 (``dspark_fp8_draft_backbone``, an assumed speed-up): the
+    backbone's time shrinks by it."""
     forward = {}
     for multiple, (name, arm) in FORWARD_SOURCES.items():
         forward[concurrency * multiple] = _row(results, name, arm, concurrency)["phases_ms"][
@@ -107,7 +111,9 @@ def measured_costs(results: Path, concurrency: int, vocab_share: float = 1.0) ->
     depths = _rows(results / DEPTH_SOURCE)
     draft = {r["depth"]: r["draft_ms"] for r in depths if r["concurrency"] == concurrency}
     backbone = draft[1] - (draft[K] - draft[1]) / (K - 1)
-    draft = {d: backbone + (ms - backbone) * vocab_share for d, ms in draft.items()}
+    draft = {
+        d: backbone * backbone_scale + (ms - backbone) * vocab_share for d, ms in draft.items()
+    }
     return {"forward_ms": forward, "nospec_step_ms": nospec["step_ms_median"], "draft_ms": draft}
 
 
@@ -259,13 +265,19 @@ def main() -> int:
     parser.add_argument(
         "--vocab-share", type=float, default=1.0, help="drafting over this share of the vocabulary"
     )
+    parser.add_argument(
+        "--backbone-scale",
+        type=float,
+        default=1.0,
+        help="the draft backbone's time as this share of the measured (an FP8 drafter)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        costs = measured_costs(args.results, concurrency, args.vocab_share)
+        costs = measured_costs(args.results, concurrency, args.vocab_share, args.backbone_scale)
         row = ceiling(costs, concurrency, args.batches, rates)
         nospec_tok_s = nospec_batch_tok_s(args.results, concurrency)
         row["end_to_end_ceiling_over_nospec"] = round(

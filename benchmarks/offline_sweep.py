@@ -120,6 +120,18 @@ ARMS = {
         "dspark_plain_steps": True,
         "dspark_fp8_draft_backbone": True,
     },
+    # ... drafting as cheaply as the plugin can: FP8 layers and heads over part of the
+    # vocabulary (an engine of its own).
+    "sps-depth-plain-lean": {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_fp8_draft_backbone": True,
+        "dspark_fp8_draft_head": True,
+        "dspark_fp8_markov_head": True,
+        "dspark_draft_vocab": DRAFT_VOCAB,
+    },
     # ... drafting over part of the vocabulary (an engine of its own).
     "sps-depth-plain-vocab": {
         "dspark_capacity": "sps",

@@ -96,7 +96,7 @@ def test_only_switchable_capacity_arms_share_an_engine():
     from offline_sweep import ARMS, is_shareable_arm
 
     assert is_shareable_arm("sps-depth-plain") and is_shareable_arm("dflash-plain")
-    own_heads = ("-fp8", "-vocab", "-fp8-backbone")
+    own_heads = ("-fp8", "-vocab", "-fp8-backbone", "-lean")
     assert not any(is_shareable_arm(arm) for arm in ARMS if arm.endswith(own_heads))
     assert not is_shareable_arm("dspark") and not is_shareable_arm("nospec")
     assert all(
