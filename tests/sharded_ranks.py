@@ -69,6 +69,9 @@ def run_ranks(monkeypatch, ranks: int, work) -> list:
 
     group = Collectives(ranks)
     monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: ranks)
+    monkeypatch.setattr(
+        vllm.distributed, "get_tensor_model_parallel_rank", lambda: group.local.rank
+    )
     monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_gather", group.all_gather)
     monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", group.all_reduce)
 

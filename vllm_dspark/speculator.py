@@ -186,7 +186,7 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         if self.heads.vocab_ids is not None and self.draft_logits is not None:
             # Sampled drafts: stock's reduced-vocabulary path scatters each position's
             # logits into these target columns of a -inf buffer before sampling.
-            self._d2t_scatter_index = self.heads.vocab_ids
+            self._d2t_scatter_index = self.heads.target_ids
             self._draft_scatter_buf = torch.full(
                 (self.max_num_reqs, self.vocab_size),
                 float("-inf"),
@@ -307,7 +307,8 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
                 if self._d2t_scatter_index is not None:
                     # Sample in target vocabulary: scatter the reduced draft vocabulary.
                     scattered = self._draft_scatter_buf[:num_reqs]
-                    scattered.index_copy_(1, self._d2t_scatter_index, logits.to(scattered.dtype))
+                    kept = self.heads.kept_columns(logits)
+                    scattered.index_copy_(1, self._d2t_scatter_index, kept.to(scattered.dtype))
                     logits = scattered
                 # The target verifies position Q with the Gumbel key of Q - 1.
                 tokens = gumbel_sample(

@@ -65,6 +65,46 @@ def test_every_rank_drafts_what_one_unsharded_rank_drafts(monkeypatch, fp8_on_cp
             assert torch.equal(ours, unsharded)
 
 
+@pytest.mark.parametrize(
+    "subset",
+    # Even over both shards; 3 and 1 (rank 1's block padded); rank 0's rows alone.
+    [[1, 4, 9, 16, 25, 30, 40, 44], [1, 4, 9, 30], [0, 3, 7, 20]],
+    ids=["spread", "uneven", "one-shard"],
+)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_draft_vocabulary_over_the_ranks_drafts_as_one_rank(monkeypatch, fp8_on_cpu, subset, fp8):
+    gen = torch.Generator().manual_seed(2)
+    lm_weight = (torch.randn(V, H, generator=gen) * 0.1).bfloat16()
+    markov_weight = (torch.randn(V, RANK, generator=gen) * 0.1).bfloat16()
+    hidden = (torch.randn(ROWS, H, generator=gen) * 3).bfloat16()
+    embed = torch.randn(ROWS, RANK, generator=gen).bfloat16()
+    hidden[1] = lm_weight[subset[-1]].float() * 40  # the subset's last token wins row 1
+    # Every token of the subset below zero in row 2: padding scored 0 would win there.
+    hidden[2] = -lm_weight[subset].float().sum(dim=0) * 40
+    options = DSparkOptions(draft_vocab=subset, fp8_draft_head=fp8, fp8_markov_head=fp8)
+
+    def draft(rank, ranks):
+        heads = draft_heads.DraftHeads(
+            sharded_draft_model(lm_weight, markov_weight, rank, ranks), options, max_rows=ROWS
+        )
+        logits = heads.dspark_logits(hidden) + heads.markov_bias(embed)
+        return (
+            heads.target_logits(logits),
+            heads.to_target(heads.dspark_greedy(logits, hidden, embed)),
+            heads.greedy_tokens(hidden),
+        )
+
+    (one,) = run_ranks(monkeypatch, 1, lambda rank: draft(rank, 1))
+    two = run_ranks(monkeypatch, 2, lambda rank: draft(rank, 2))
+    assert one[0].shape == (ROWS, V) and one[2][1] == subset[-1]
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[subset] = False
+    assert (one[0][:, outside] == float("-inf")).all()
+    for rank_result in two:
+        for ours, unsharded in zip(rank_result, one, strict=True):
+            assert torch.equal(ours, unsharded)
+
+
 def test_the_argmax_across_ranks_keeps_the_lowest_id_and_skips_non_finite_rows():
     shards = [VocabShard(start=0, valid=4, size=4, vocab=7), VocabShard(4, 3, 4, 7)]
     # Per rank: local index and value of rows 0-2. Row 0: a tie across ranks (the lower id

@@ -20,9 +20,9 @@ Triton kernels of :mod:`vllm_dspark.head.fp8_head_kernel`; ``dspark_fp8_markov_h
 does the same for the Markov head's projection. The bf16 weights stay untouched:
 verification runs the target's own head, so outputs stay lossless.
 
-Under tensor parallelism each rank quantises its own vocabulary shard of the heads and
-the ranks combine as vLLM's logits do (:mod:`vllm_dspark.head.vocab_shards`); a draft
-vocabulary is refused there.
+Under tensor parallelism each rank keeps its own vocabulary shard of the heads (of a
+draft vocabulary, the subset's tokens among its rows) and the ranks combine as vLLM's
+logits do (:mod:`vllm_dspark.head.vocab_shards`).
 
 Greedy DSpark drafting with an FP8 head picks its token among the FP8 logits' top
 ``rescore.RESCORE_CANDIDATES`` by the bf16 weights' own dot products (a gather of a few weight
@@ -40,7 +40,12 @@ from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.head.fp8_head_kernel import HeadWorkspace, fp8_head_argmax, fp8_head_logits
 from vllm_dspark.head.fp8_rowwise import Fp8RowwiseWeight
 from vllm_dspark.head.rescore import rescored_argmax
-from vllm_dspark.head.vocab_shards import VocabShard, combine_argmax, gather_logits
+from vllm_dspark.head.vocab_shards import (
+    VocabShard,
+    combine_argmax,
+    gather_logits,
+    subset_layout,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -64,14 +69,13 @@ def _check_fp8_supported(option: str, weight: torch.Tensor) -> None:
         )
 
 
-def _check_unsharded(option: str, tp: int) -> None:
-    """A draft vocabulary holds whole vocabulary rows; a TP rank holds a shard of them."""
-    if tp > 1:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}{option} does not handle a vocabulary-sharded head yet "
-            f"(tensor parallel size {tp}). Valid with tensor parallelism: leave "
-            f"{KEY_PREFIX}{option} unset."
-        )
+def _padded_rows(weight: torch.Tensor | None, rows: torch.Tensor, count: int):
+    """``weight[rows]`` followed by zero rows up to ``count`` (None stays None)."""
+    if weight is None:
+        return None
+    padded = weight.new_zeros(count, weight.shape[1])
+    padded[: len(rows)] = weight[rows]
+    return padded
 
 
 def _quantize(option: str, weight: torch.Tensor) -> Fp8RowwiseWeight:
@@ -140,8 +144,10 @@ class DraftHeads:
                 "draft has a reduced vocabulary (d2t)."
             )
         # The rows the heads score: all (the model's own weights; this rank's vocabulary
-        # shard under tensor parallelism) or the draft vocabulary's.
-        self.vocab_ids = None
+        # shard under tensor parallelism) or the draft vocabulary's. vocab_ids: the token
+        # id of each logits column, where those are not the token ids themselves; columns:
+        # which of them are tokens (None: all; under TP the ranks' padding is not).
+        self.vocab_ids = self.columns_kept = None
         lm_weight = model.lm_head.weight.data
         markov = getattr(getattr(model, "model", None), "markov_head", None)
         markov_weight = markov.markov_w2.weight.data if markov is not None else None
@@ -158,16 +164,23 @@ class DraftHeads:
                     f"{VocabShard.of(markov.markov_w2)} and {self.shard}."
                 )
         if options.draft_vocab is not None:
-            _check_unsharded("draft_vocab", tp)
-            self.vocab_ids = vocab_subset(options.draft_vocab, self.vocab_limit, lm_weight.device)
-            lm_weight = lm_weight[self.vocab_ids].contiguous()
-            if markov_weight is not None:
-                markov_weight = markov_weight[self.vocab_ids].contiguous()
+            ids = vocab_subset(options.draft_vocab, self.vocab_limit, lm_weight.device)
+            if self.shard is None:
+                self.vocab_ids = ids
+                lm_weight = _padded_rows(lm_weight, ids, len(ids))
+                markov_weight = _padded_rows(markov_weight, ids, len(ids))
+            else:
+                rank = distributed.get_tensor_model_parallel_rank()
+                layout = subset_layout(ids, self.shard, rank, tp)
+                self.shard, self.vocab_ids = layout.shard, layout.ids
+                self.columns_kept = layout.valid
+                lm_weight = _padded_rows(lm_weight, layout.local_rows, layout.shard.size)
+                markov_weight = _padded_rows(markov_weight, layout.local_rows, layout.shard.size)
             logger.info(
                 "vllm-dspark: %sdraft_vocab: drafting over %d of %d tokens (+%.1f MiB of GPU "
                 "memory for the heads' rows).",
                 KEY_PREFIX,
-                len(self.vocab_ids),
+                len(ids),
                 self.vocab_limit,
                 sum(
                     w.numel() * w.element_size()
@@ -181,13 +194,17 @@ class DraftHeads:
         self.markov = None
         if options.fp8_markov_head:
             self.markov = _quantize("fp8_markov_head", markov_weight)
-        # The FP8 kernels' columns: the subset's, the shard's tokens, or the processor's
-        # unpadded vocabulary.
+        # The heads' rows that are tokens: this rank's (under TP), the subset's, or the
+        # processor's unpadded vocabulary.
         self.columns = self.vocab_limit
-        if self.vocab_ids is not None:
-            self.columns = len(self.vocab_ids)
-        elif self.shard is not None:
+        if self.shard is not None:
             self.columns = self.shard.valid
+        elif self.vocab_ids is not None:
+            self.columns = len(self.vocab_ids)
+        # Token ids of the columns kept, for scattering logits into the target vocabulary.
+        self.target_ids = self.vocab_ids
+        if self.columns_kept is not None:
+            self.target_ids = self.vocab_ids[self.columns_kept]
         # Preallocated once, so that captured graphs never allocate kernel scratch space.
         self.lm_head_workspace = self.lm_head and HeadWorkspace.allocate(max_rows, self.lm_head)
         self.markov_workspace = self.markov and HeadWorkspace.allocate(max_rows, self.markov)
@@ -206,16 +223,22 @@ class DraftHeads:
         return hidden if self.head_norm is None else self.head_norm(hidden)
 
     def _project(self, x, fp8, workspace, weight) -> torch.Tensor:
-        """``x`` through a private head: its FP8 copy (this rank's shard, gathered over the
-        ranks under tensor parallelism), else its draft-vocabulary rows."""
-        if fp8 is None:
-            return self._scaled(torch.nn.functional.linear(x, weight))
+        """``x`` through a private head, its FP8 copy or its draft-vocabulary rows; under
+        tensor parallelism this rank's rows, gathered over the ranks."""
         if self.shard is None:
+            if fp8 is None:
+                return self._scaled(torch.nn.functional.linear(x, weight))
             out = fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace)
             return self._scaled(out)
-        # The shard's padding rows at -inf, as the gather's layout needs every rank's S.
+        # The rows past this rank's tokens at -inf: the gather takes every rank's block whole.
         local = x.new_empty(x.shape[0], self.shard.size)
-        fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace, out=local)
+        if self.columns == 0:
+            local.fill_(float("-inf"))
+        elif fp8 is None:
+            torch.matmul(x, weight.t(), out=local)
+            local[:, self.columns :] = float("-inf")
+        else:
+            fp8_head_logits(x, fp8, vocab_limit=self.columns, workspace=workspace, out=local)
         return self._scaled(gather_logits(local, self.shard, self._all_gather))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,13 +267,17 @@ class DraftHeads:
             return self.vocab_ids[index]
         return self.model.map_draft_to_target(index)
 
+    def kept_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the columns that are tokens (``target_ids``), in that order."""
+        return logits if self.columns_kept is None else logits[:, self.columns_kept]
+
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary: with a draft vocabulary, its columns at their
         token ids and -inf elsewhere (probability 0 for the tokens it never drafts)."""
         if self.vocab_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_limit), float("-inf"))
-        return full.index_copy_(1, self.vocab_ids, logits)
+        return full.index_copy_(1, self.target_ids, self.kept_columns(logits))
 
     def dspark_greedy(
         self, logits: torch.Tensor, hidden: torch.Tensor, markov_embed: torch.Tensor
@@ -280,6 +307,9 @@ class DraftHeads:
             return self.model.compute_logits(hidden).argmax(dim=-1)
         if self.lm_head is None or self.scale <= 0:  # a non-positive scale reorders logits
             index = self.logits(hidden).argmax(dim=-1)
+        elif self.columns == 0:  # this rank holds none of the draft vocabulary
+            nothing = hidden.new_full((hidden.shape[0],), -1, dtype=torch.long)
+            index = combine_argmax(nothing, nothing.float(), self.shard, self._all_gather)
         else:
             index, value = fp8_head_argmax(
                 self._head_input(hidden),
@@ -288,8 +318,9 @@ class DraftHeads:
                 workspace=self.lm_head_workspace,
             )
             if self.shard is not None:
-                return combine_argmax(index, value, self.shard, self._all_gather)
-            # A NaN row gives -1: propose the first token instead, which verification
-            # rejects like any wrong draft (a -1 would be read as an input id next step).
-            index = index.clamp_(min=0)
+                index = combine_argmax(index, value, self.shard, self._all_gather)
+            else:
+                # A NaN row gives -1: propose the first token instead, which verification
+                # rejects like any wrong draft (a -1 would be read as an input id next step).
+                index = index.clamp_(min=0)
         return index if self.vocab_ids is None else self.vocab_ids[index]

@@ -58,3 +58,34 @@ def combine_argmax(
     # Rank order is id order: argmax keeps the first of equal values, the lowest id.
     best = pairs[..., 0].argmax(dim=1, keepdim=True)
     return pairs[..., 1].gather(1, best).squeeze(1).long()
+
+
+@dataclass(frozen=True)
+class SubsetLayout:
+    """A draft vocabulary (``dspark_draft_vocab``) over the ranks: each rank keeps the
+    subset's tokens among its shard's rows, padded to the largest rank's count M, so that
+    the ranks' logits gather as equal [rows, M] blocks."""
+
+    shard: VocabShard  # the gathered layout: this rank's block, its first `valid` columns real
+    local_rows: torch.Tensor  # rows of this rank's head shard the subset keeps [valid]
+    ids: torch.Tensor  # token id of each gathered column [ranks * M] (padding repeats one)
+    valid: torch.Tensor  # gathered columns that are subset tokens, in id order
+
+
+def subset_layout(ids: torch.Tensor, shard: VocabShard, rank: int, ranks: int) -> SubsetLayout:
+    """``ids``: the subset's token ids, increasing. Every rank computes the same layout."""
+    edges = torch.arange(ranks + 1, device=ids.device) * shard.size
+    bounds = torch.searchsorted(ids, edges)
+    counts = (bounds[1:] - bounds[:-1]).tolist()
+    most = max(counts)
+    columns = torch.arange(ranks * most, device=ids.device).view(ranks, most)
+    real = columns % most < torch.tensor(counts, device=ids.device)[:, None]
+    gathered = torch.full((ranks, most), int(ids[0]), dtype=ids.dtype, device=ids.device)
+    gathered[real] = ids
+    mine = ids[bounds[rank] : bounds[rank + 1]]
+    return SubsetLayout(
+        shard=VocabShard(start=rank * most, valid=counts[rank], size=most, vocab=ranks * most),
+        local_rows=mine - shard.start,
+        ids=gathered.flatten(),
+        valid=columns[real],
+    )
