@@ -1,4 +1,5 @@
-"""On two or more GPUs: tensor parallelism with every capacity option on.
+"""On two or more GPUs: tensor parallelism with every capacity option on, drafting over a
+vocabulary subset split over the ranks.
 
 The embedded pair at TP 2 (and 4 where the machine has the GPUs), 500 requests at
 concurrency 64, greedy, float32: no hang, outputs identical to TP 1 without speculation,
@@ -20,6 +21,9 @@ from pair_probe import run_pair
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
 
 NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 500, 96, 64
+# Every capacity option, and a draft vocabulary of every fourth of the pair's 8,192 ids,
+# which each rank keeps its share of.
+OPTIONS = EVERY_CAPACITY_OPTION | {"dspark_draft_vocab": list(range(0, 8192, 4))}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,7 +85,7 @@ def reference() -> dict:
 def test_tensor_parallel_capacity_control_agrees_across_ranks(reference, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    nospec, spec = run(tp, None), run(tp, EVERY_CAPACITY_OPTION)
+    nospec, spec = run(tp, None), run(tp, OPTIONS)
     ranks = spec["admission_per_rank"]
     identical = same_outputs(spec, reference)
     _results[f"tp{tp}"] = {
@@ -103,7 +107,7 @@ def test_tensor_parallel_capacity_control_agrees_across_ranks(reference, tp):
         {
             "setup": f"embedded pair, {NUM_REQUESTS} requests at concurrency {CONCURRENCY}, "
             f"{MAX_TOKENS} tokens, greedy, float32, k=7",
-            "options": EVERY_CAPACITY_OPTION,
+            "options": EVERY_CAPACITY_OPTION | {"dspark_draft_vocab": "every fourth id"},
             **_results,
         },
     )
