@@ -60,6 +60,7 @@ def sharded_draft_model(lm_weight, markov_weight, rank: int, ranks: int, scale: 
             markov_head=SimpleNamespace(markov_w2=parallel_head(markov_weight, rank, ranks))
         ),
         draft_id_to_target_id=None,
+        map_draft_to_target=lambda ids: ids,
     )
 
 
