@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -444,6 +445,13 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
     checkpoint_quantization = getattr(
         getattr(draft, "hf_config", None), "quantization_config", None
     )
+    draft_dtype = getattr(draft, "dtype", None)
+    if options.fp8_draft_backbone and draft_dtype not in (None, torch.bfloat16, torch.float16):
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}fp8_draft_backbone=True quantises a bf16 or fp16 draft "
+            f"(vLLM's FP8 GEMMs), and this engine runs {draft_dtype}. Valid here: --dtype "
+            f"bfloat16, or {KEY_PREFIX}fp8_draft_backbone=false."
+        )
     if options.fp8_draft_backbone and checkpoint_quantization:
         method = (
             checkpoint_quantization.get("quant_method")

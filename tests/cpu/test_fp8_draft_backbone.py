@@ -25,6 +25,8 @@ def test_the_option_quantises_the_draft_and_not_the_target(engine_config, model_
     assert engine_config(base).speculative_config.draft_model_config.quantization is None
     with pytest.raises(DSparkOptionError, match="asks quantization='awq'"):
         engine_config(base | {"dspark_fp8_draft_backbone": True, "quantization": "awq"})
+    with pytest.raises(DSparkOptionError, match="this engine runs torch.float32"):
+        engine_config(base | {"dspark_fp8_draft_backbone": True}, dtype="float32")
 
 
 def test_an_already_quantised_draft_is_refused():
