@@ -106,6 +106,29 @@ def vocab_subset(option: int | list[int], vocab_size: int, device: torch.device)
     return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
+def _refuse_unsupported(model, options: DSparkOptions, private: list[str]) -> None:
+    if model.logits_processor.soft_cap is not None and private:
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}{private[0]} does not apply logit soft-capping, "
+            "which this draft model uses."
+        )
+    dtype = model.lm_head.weight.dtype
+    if (options.fp8_draft_head or options.fp8_markov_head) and dtype != torch.bfloat16:
+        # The FP8 kernels read bf16 activations and rescore with the bf16 weights.
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}fp8_draft_head and {KEY_PREFIX}fp8_markov_head "
+            f"need the model in bfloat16, not {dtype}. Valid here: dtype bfloat16, or "
+            "the options off."
+        )
+    reduced = getattr(model, "draft_id_to_target_id", None) is not None
+    if reduced and (options.fp8_draft_head or options.draft_vocab is not None):
+        name = "fp8_draft_head" if options.fp8_draft_head else "draft_vocab"
+        raise DSparkOptionError(
+            f"vllm-dspark: {KEY_PREFIX}{name} needs a full-vocabulary draft; this "
+            "draft has a reduced vocabulary (d2t)."
+        )
+
+
 class DraftHeads:
     def __init__(self, model: torch.nn.Module, options: DSparkOptions, max_rows: int):
         from vllm import distributed
@@ -123,30 +146,12 @@ class DraftHeads:
             for name in ("fp8_draft_head", "fp8_markov_head", "draft_vocab")
             if name in options.non_default()
         ]
-        if processor.soft_cap is not None and private:
-            raise DSparkOptionError(
-                f"vllm-dspark: {KEY_PREFIX}{private[0]} does not apply logit soft-capping, "
-                "which this draft model uses."
-            )
-        dtype = model.lm_head.weight.dtype
-        if (options.fp8_draft_head or options.fp8_markov_head) and dtype != torch.bfloat16:
-            # The FP8 kernels read bf16 activations and rescore with the bf16 weights.
-            raise DSparkOptionError(
-                f"vllm-dspark: {KEY_PREFIX}fp8_draft_head and {KEY_PREFIX}fp8_markov_head "
-                f"need the model in bfloat16, not {dtype}. Valid here: dtype bfloat16, or "
-                "the options off."
-            )
-        reduced = getattr(model, "draft_id_to_target_id", None) is not None
-        if reduced and (options.fp8_draft_head or options.draft_vocab is not None):
-            name = "fp8_draft_head" if options.fp8_draft_head else "draft_vocab"
-            raise DSparkOptionError(
-                f"vllm-dspark: {KEY_PREFIX}{name} needs a full-vocabulary draft; this "
-                "draft has a reduced vocabulary (d2t)."
-            )
+        _refuse_unsupported(model, options, private)
         # The rows the heads score: all (the model's own weights; this rank's vocabulary
         # shard under tensor parallelism) or the draft vocabulary's. vocab_ids: the token
-        # id of each logits column, where those are not the token ids themselves; columns:
-        # which of them are tokens (None: all; under TP the ranks' padding is not).
+        # id of each logits column, where those are not the token ids themselves;
+        # columns_kept: which of them are tokens (None: all; under TP the ranks' padding
+        # is not).
         self.vocab_ids = self.columns_kept = None
         lm_weight = model.lm_head.weight.data
         markov = getattr(getattr(model, "model", None), "markov_head", None)
