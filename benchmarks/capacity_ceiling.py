@@ -245,6 +245,116 @@ def drained_batch(results: Path, rates: list[float], output_len: int, trials: in
     return rows
 
 
+def costs_by_requests(
+    results: Path, vocab_share: float = 1.0, backbone_scale: float = 1.0
+) -> Callable[[int], dict]:
+    """:func:`measured_costs` for any number of requests R, linear in R between the
+    requests measured: the target's forward at each multiple of R tokens (a forward's
+    cost depends on its requests as well as its tokens: 512 tokens took 11.7 ms for 64
+    requests and 15.3 ms for 256), the step without speculation and the draft per depth."""
+    measured = {c: measured_costs(results, c, vocab_share, backbone_scale) for c in (1, 64, 256)}
+    requests = sorted(measured)
+    multiples = sorted(FORWARD_SOURCES)
+
+    def at(num_reqs: int) -> dict:
+        def between(values: list[float]) -> float:
+            return float(np.interp(num_reqs, requests, values))
+
+        forward = [between([measured[c]["forward_ms"][c * m] for c in requests]) for m in multiples]
+        grid = np.arange(num_reqs, num_reqs * (1 + K) + 1)
+        by_tokens = np.interp(grid, [num_reqs * m for m in multiples], forward)
+        return {
+            "forward_ms": dict(zip(grid.tolist(), by_tokens.tolist(), strict=True)),
+            "nospec_step_ms": between([measured[c]["nospec_step_ms"] for c in requests]),
+            "draft_ms": {
+                d: between([measured[c]["draft_ms"][d] for c in requests]) for d in range(1, K + 1)
+            },
+        }
+
+    return at
+
+
+def oracle_drain(
+    costs_at: Callable[[int], dict],
+    rates: list[float],
+    concurrency: int,
+    output_len: int,
+    trials: int,
+) -> tuple[float, float]:
+    """(mean decode steps, mean decode ms) of a batch whose every step takes
+    :func:`best_step`'s choice for the requests still decoding, on the current step's own
+    survivals (an oracle: lossless ``sps`` takes its count from the step before), each
+    admitted draft accepted with its calibrated synthetic confidence while the ones
+    before it were; until every request has its output_len - 1 tokens after the
+    prefill's."""
+    synthetic = SyntheticConfidence(conditional_rates(rates)[:K], torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    steps, ms = [], []
+    for trial in range(trials):
+        seeds = torch.arange(concurrency, dtype=torch.int64) + trial * concurrency
+        left = np.full(concurrency, output_len - 1)
+        count, elapsed = 0, 0.0
+        while (live := left > 0).any():
+            rows = np.flatnonzero(live)
+            done = torch.from_numpy(output_len - 1 - left[rows])
+            positions = done[:, None] + torch.arange(1, K + 1)
+            confidence = torch.sigmoid(synthetic.draw(seeds[rows], positions).double())
+            survival = torch.cumprod(confidence, dim=1)
+            costs = costs_at(len(rows))
+            _, depth, admitted = best_step(survival, costs)
+            verified = np.zeros(len(rows), dtype=int)
+            if admitted:
+                computed = survival.clone()
+                computed[:, depth:] = UNCOMPUTED_SURVIVAL
+                top = computed.flatten().argsort(descending=True)[:admitted]
+                verified = np.bincount((top // K).numpy(), minlength=len(rows))
+            draws = rng.random((len(rows), K)) < confidence.numpy()
+            leading = np.cumprod(draws, axis=1).sum(axis=1)
+            left[rows] -= 1 + np.minimum(leading, verified)
+            count += 1
+            if admitted:
+                tokens = len(rows) + admitted
+                outside = costs["nospec_step_ms"] - costs["forward_ms"][len(rows)]
+                elapsed += costs["forward_ms"][tokens] + outside + costs["draft_ms"][depth]
+            else:
+                elapsed += costs["nospec_step_ms"]
+        steps.append(count)
+        ms.append(elapsed)
+    return float(np.mean(steps)), float(np.mean(ms))
+
+
+def oracle_drained_batch(
+    results: Path,
+    rates: list[float],
+    output_len: int,
+    trials: int,
+    concurrencies: list[int],
+    vocab_share: float = 1.0,
+    backbone_scale: float = 1.0,
+) -> list[dict]:
+    """Per concurrency: :func:`oracle_drain`'s batch against no speculation end to end,
+    the measured batch's time outside decode steps kept (as :func:`drained_batch`)."""
+    check_name, nospec_arm, _, _ = DRAIN_CHECK
+    check = _rows(results / check_name)
+    nospec_step = drain_step_ms(results, 0)
+    costs_at = costs_by_requests(results, vocab_share, backbone_scale)
+    rows = []
+    for concurrency in concurrencies:
+        tok_s = {r["arm"]: r["tok_s"] for r in check if r["concurrency"] == concurrency}
+        batch_ms = concurrency * output_len / tok_s[nospec_arm] * 1000.0
+        decode_ms = (output_len - 1) * nospec_step(concurrency)
+        steps, ms = oracle_drain(costs_at, rates, concurrency, output_len, trials)
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "steps": round(steps, 1),
+                "decode_over_nospec": round(decode_ms / ms, 4),
+                "end_to_end_over_nospec": round(batch_ms / (batch_ms - decode_ms + ms), 4),
+            }
+        )
+    return rows
+
+
 def nospec_batch_tok_s(results: Path, concurrency: int) -> float:
     name, setup = NOSPEC_BATCH_SOURCE
     rows = _rows(results / name)
@@ -308,11 +418,21 @@ def main() -> int:
             "sources": sorted({name for name, _ in DRAIN_SOURCES.values()} | {DRAIN_CHECK[0]}),
             "rows": drained_batch(args.results, rates, args.output_len, args.drain_trials),
         },
+        # The best choice every step, on the step's own survivals, as the batch drains.
+        "oracle_drained_batch": oracle_drained_batch(
+            args.results,
+            rates,
+            args.output_len,
+            args.drain_trials,
+            [int(c) for c in args.concurrency.split(",")],
+            args.vocab_share,
+            args.backbone_scale,
+        ),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for row in rows:
         print({k: v for k, v in row.items() if k != "inputs"})
-    for row in record["drained_batch"]["rows"]:
+    for row in record["drained_batch"]["rows"] + record["oracle_drained_batch"]:
         print(row)
     return 0
 

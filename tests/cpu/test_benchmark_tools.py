@@ -669,3 +669,27 @@ def test_a_drained_batch_lasts_until_its_slowest_request():
     assert many > alone * 1.1
     steps, ms = drain(lambda num_reqs: num_reqs / 256, rates, 3, 256, 128, trials=8)
     assert ms < steps
+
+
+def test_the_oracle_drafts_while_it_pays_and_its_batch_drains_to_the_slowest_request():
+    from capacity_ceiling import K, oracle_drain
+    from offline_sweep import DEFAULT_RATES
+
+    rates = [float(r) for r in DEFAULT_RATES.split(",")]
+
+    def costs(verified_token_ms: float):
+        def at(num_reqs: int) -> dict:
+            tokens = range(num_reqs, num_reqs * (1 + K) + 1)
+            forward = {t: 1.0 + verified_token_ms * (t - num_reqs) for t in tokens}
+            draft_ms = dict.fromkeys(range(1, K + 1), 0.0)
+            return {"forward_ms": forward, "nospec_step_ms": 1.0, "draft_ms": draft_ms}
+
+        return at
+
+    # Drafts cost nothing: every step verifies all K, and a batch of 32 lasts longer than
+    # one request does (its slowest request), at 1 ms a step.
+    alone, _ = oracle_drain(costs(0.0), rates, 1, 128, trials=32)
+    steps, ms = oracle_drain(costs(0.0), rates, 32, 128, trials=4)
+    assert 127 / 4.5 < alone < 127 / 3 and steps > alone and ms == steps
+    # Each verified draft costs a whole step: none pays, the batch runs 127 plain steps.
+    assert oracle_drain(costs(1.0), rates, 32, 128, trials=2) == (127.0, 127.0)
