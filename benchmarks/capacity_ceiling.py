@@ -34,6 +34,9 @@ that depth (``DRAIN_SOURCES``: whole decode steps of fixed-k DSpark, linear in t
 requests between 1, 64 and 256). ``DRAIN_CHECK`` sets a measured end-to-end ratio beside
 the model's, and ``cut_ms_for`` says how much shorter every speculative step would have
 to be for the drained batch to reach a given ratio to no speculation.
+``oracle_drain`` drains batches with the oracle instead: every step the best choice for
+the requests still decoding, on costs interpolated between the requests measured
+(``costs_by_requests``), each admitted draft accepted with its calibrated confidence.
 """
 
 from __future__ import annotations
