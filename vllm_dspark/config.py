@@ -164,9 +164,9 @@ class DSparkOptions(BaseModel):
 
     fp8_draft_backbone: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Run the drafter's own layers in FP8: vLLM's online FP8 quantisation of a bf16 draft
-    (the speculative config's ``quantization: fp8``), with the context-K/V projection that
-    vLLM 0.26.0's DFlash-family drafters read as bf16 rebuilt from the dequantised
-    weights. Verification keeps the target's weights."""
+    (the speculative config's ``quantization: fp8_per_tensor``), with the context-K/V
+    projection that vLLM 0.26.0's DFlash-family drafters read as bf16 rebuilt from the
+    dequantised weights. Verification keeps the target's weights."""
 
     draft_vocab: Annotated[int, Strict(), Field(gt=0)] | list[Annotated[int, Strict()]] | None = (
         Field(
