@@ -213,18 +213,26 @@ def drain(
     return float(np.mean(steps)), float(np.mean(ms))
 
 
+def nospec_batch(results: Path, concurrency: int, output_len: int) -> tuple[dict, float, float]:
+    """``DRAIN_CHECK``'s tok/s by arm at ``concurrency``, and its batch without speculation
+    as ms in all and ms of decode steps (at the breakdown's median step)."""
+    check_name, nospec_arm, _, _ = DRAIN_CHECK
+    tok_s = {
+        r["arm"]: r["tok_s"] for r in _rows(results / check_name) if r["concurrency"] == concurrency
+    }
+    batch_ms = concurrency * output_len / tok_s[nospec_arm] * 1000.0
+    decode_ms = (output_len - 1) * drain_step_ms(results, 0)(concurrency)
+    return tok_s, batch_ms, decode_ms
+
+
 def drained_batch(results: Path, rates: list[float], output_len: int, trials: int) -> list[dict]:
     """Per concurrency: each fixed depth's drained batch against no speculation, end to end
     (the measured batch's time outside decode steps kept), beside the measured ratio."""
-    check_name, nospec_arm, check_arm, check_k = DRAIN_CHECK
-    check = _rows(results / check_name)
-    nospec_step = drain_step_ms(results, 0)
+    _, nospec_arm, check_arm, check_k = DRAIN_CHECK
     speculative = {k: drain_step_ms(results, k) for k in sorted(DRAIN_SOURCES) if k}
     rows = []
     for concurrency in DRAIN_CONCURRENCY:
-        tok_s = {r["arm"]: r["tok_s"] for r in check if r["concurrency"] == concurrency}
-        batch_ms = concurrency * output_len / tok_s[nospec_arm] * 1000.0
-        decode_ms = (output_len - 1) * nospec_step(concurrency)
+        tok_s, batch_ms, decode_ms = nospec_batch(results, concurrency, output_len)
         outside_ms = batch_ms - decode_ms
         row = {"concurrency": concurrency, "outside_decode_ms": round(outside_ms, 1)}
         for k, step_ms in speculative.items():
@@ -337,15 +345,10 @@ def oracle_drained_batch(
 ) -> list[dict]:
     """Per concurrency: :func:`oracle_drain`'s batch against no speculation end to end,
     the measured batch's time outside decode steps kept (as :func:`drained_batch`)."""
-    check_name, nospec_arm, _, _ = DRAIN_CHECK
-    check = _rows(results / check_name)
-    nospec_step = drain_step_ms(results, 0)
     costs_at = costs_by_requests(results, vocab_share, backbone_scale)
     rows = []
     for concurrency in concurrencies:
-        tok_s = {r["arm"]: r["tok_s"] for r in check if r["concurrency"] == concurrency}
-        batch_ms = concurrency * output_len / tok_s[nospec_arm] * 1000.0
-        decode_ms = (output_len - 1) * nospec_step(concurrency)
+        _, batch_ms, decode_ms = nospec_batch(results, concurrency, output_len)
         steps, ms = oracle_drain(costs_at, rates, concurrency, output_len, trials)
         rows.append(
             {

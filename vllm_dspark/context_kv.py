@@ -144,7 +144,13 @@ def rebuild_fp8_context_kv(model) -> None:
 
 class GraphedContextKV:
     """Mixin for vllm-dspark's DFlash-family speculators: the context-K/V store replays
-    :class:`ContextKVGraphs`, captured after the speculator's own draft graphs."""
+    :class:`ContextKVGraphs`, captured after the speculator's own draft graphs; an FP8
+    drafter's projection for it is rebuilt once the draft loads."""
+
+    def load_draft_model(self, target_model, target_attn_layer_names):
+        model = super().load_draft_model(target_model, target_attn_layer_names)
+        rebuild_fp8_context_kv(model)
+        return model
 
     def set_attn(self, *args, **kwargs) -> None:
         super().set_attn(*args, **kwargs)

@@ -26,7 +26,7 @@ from vllm_dspark.capacity.control import CapacityControl
 from vllm_dspark.capacity.online_sts import OnlineSTS
 from vllm_dspark.capacity.synthetic import SyntheticConfidence
 from vllm_dspark.config import DSparkOptions
-from vllm_dspark.context_kv import GraphedContextKV, rebuild_fp8_context_kv
+from vllm_dspark.context_kv import GraphedContextKV
 from vllm_dspark.head.draft_heads import DraftHeads
 
 _PROPOSE_SIGNATURE = inspect.signature(DSparkSpeculator.propose)
@@ -180,7 +180,6 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
-        rebuild_fp8_context_kv(model)
         # After loading, so the LM head is the target's, shared (DSpark aliases it).
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
         if self.heads.vocab_ids is not None and self.draft_logits is not None:
@@ -362,7 +361,6 @@ class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFl
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
-        rebuild_fp8_context_kv(model)
         self.heads = DraftHeads(model, self.options, self.max_num_reqs * self.num_speculative_steps)
         return model
 

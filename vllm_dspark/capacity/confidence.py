@@ -73,10 +73,12 @@ def _checkpoint_files(model: str, patterns: list[str], download_dir: str | None)
     return Path(snapshot_download(model, allow_patterns=patterns, cache_dir=download_dir))
 
 
-def _confidence_tensors(model: str, download_dir: str | None) -> dict[str, torch.Tensor]:
+def _confidence_tensors(
+    model: str, directory: Path, download_dir: str | None
+) -> dict[str, torch.Tensor]:
     """The confidence head's tensors by ``weight`` / ``bias``, read from the shards that
-    hold them (a DeepSeek-V4 checkpoint has dozens; its index names the one)."""
-    directory = _checkpoint_files(model, ["*.json"], download_dir)
+    hold them (a DeepSeek-V4 checkpoint has dozens; its index names the one). ``directory``:
+    the checkpoint's folder with its JSON files."""
     index = directory / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -154,7 +156,7 @@ class ConfidenceHead(torch.nn.Module):
         config = json.loads((directory / "config.json").read_text())
         draft_logprob = bool(config.get(DRAFT_LOGPROB_KEY, False))
         draft_miss_logprob = bool(config.get(DRAFT_MISS_LOGPROB_KEY, False))
-        tensors = _confidence_tensors(model, download_dir)
+        tensors = _confidence_tensors(model, directory, download_dir)
         if "weight" not in tensors:
             raise DSparkOptionError(
                 f"vllm-dspark: the draft checkpoint {model} declares a confidence head but "
