@@ -193,6 +193,17 @@ ARMS = {
         "dspark_plain_steps": True,
         "dspark_draft_vocab": DRAFT_VOCAB,
     },
+    # ... drafting as cheaply as the plugin can (DFlash has no Markov head).
+    "dflash-depth-plain-lean": {
+        "method": "dflash",
+        "dspark_capacity": "acceptance",
+        "dspark_varlen_verify": True,
+        "dspark_dynamic_depth": True,
+        "dspark_plain_steps": True,
+        "dspark_fp8_draft_backbone": True,
+        "dspark_fp8_draft_head": True,
+        "dspark_draft_vocab": DRAFT_VOCAB,
+    },
 }
 
 

@@ -32,7 +32,8 @@
 #   fixed-k  no speculation against stock DSpark with K drafts (third argument, default 3),
 #            CUDA graphs to the fourth argument's tokens (default 1024), Qwen3-8B shape,
 #            end to end (vLLM; two engines, ~8 min: from the queue); a fifth argument
-#            names other arms, e.g. nospec,dspark,dspark-fp8 (an engine each)
+#            names other arms, e.g. nospec,dspark,dspark-fp8 (an engine each); a sixth, the
+#            concurrencies
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
 #   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
 #            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
@@ -159,7 +160,7 @@ case "$stage" in
     # CUDA graphs to the fourth argument's tokens (1024), vLLM's synthetic acceptance.
     k=${3:-3}; graphs=${4:-1024}
     timeout 900 python3 benchmarks/offline_sweep.py --pair qwen3-8b --arms "${5:-nospec,dspark}" \
-      --num-drafts "$k" --graphs-to "$graphs" --min-requests 32 --concurrency 1,16,64,256 \
+      --num-drafts "$k" --graphs-to "$graphs" --min-requests 32 --concurrency "${6:-1,16,64,256}" \
       --out "$OUT/fixed_k${k}_graphs$graphs.json" 2>&1 | quiet | tee "$OUT/$stage.log" | tail -12
     ;;
   depth)
