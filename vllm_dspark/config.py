@@ -163,10 +163,8 @@ class DSparkOptions(BaseModel):
     """Also use rowwise FP8 for the DSpark Markov head's vocabulary projection."""
 
     fp8_draft_backbone: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
-    """Run the drafter's own layers in FP8: vLLM's online FP8 quantisation of a bf16 draft
-    (the speculative config's ``quantization: fp8_per_tensor``), with the context-K/V
-    projection that vLLM 0.26.0's DFlash-family drafters read as bf16 rebuilt from the
-    dequantised weights. Verification keeps the target's weights."""
+    """Run the drafter's own layers in rowwise FP8, converted from its bf16 weights once it
+    has loaded (:mod:`vllm_dspark.draft_fp8`). Verification keeps the target's weights."""
 
     draft_vocab: Annotated[int, Strict(), Field(gt=0)] | list[Annotated[int, Strict()]] | None = (
         Field(
@@ -442,21 +440,22 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             "also does; set one of the two."
         )
     draft = getattr(speculative_config, "draft_model_config", None)
-    checkpoint_quantization = getattr(
+    # A quantised checkpoint, or the speculative config's own "quantization" key.
+    draft_quantization = getattr(
         getattr(draft, "hf_config", None), "quantization_config", None
-    )
+    ) or getattr(draft, "quantization", None)
     draft_dtype = getattr(draft, "dtype", None)
     if options.fp8_draft_backbone and draft_dtype not in (None, torch.bfloat16, torch.float16):
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}fp8_draft_backbone=True quantises a bf16 or fp16 draft "
-            f"(vLLM's FP8 GEMMs), and this engine runs {draft_dtype}. Valid here: --dtype "
+            f"(rowwise FP8 GEMMs), and this engine runs {draft_dtype}. Valid here: --dtype "
             f"bfloat16, or {KEY_PREFIX}fp8_draft_backbone=false."
         )
-    if options.fp8_draft_backbone and checkpoint_quantization:
+    if options.fp8_draft_backbone and draft_quantization:
         method = (
-            checkpoint_quantization.get("quant_method")
-            if isinstance(checkpoint_quantization, dict)
-            else type(checkpoint_quantization).__name__
+            draft_quantization.get("quant_method")
+            if isinstance(draft_quantization, dict)
+            else draft_quantization
         )
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}fp8_draft_backbone=True quantises a bf16 draft; "

@@ -14,8 +14,8 @@ value differ in its last bits, which may change a draft but never an output (ver
 is exact). A store on other tensors (dummy runs, token counts past the largest graph)
 runs eagerly, as stock.
 
-With the drafter's layers in FP8, :func:`rebuild_fp8_context_kv` gives the store bf16
-projection weights again.
+With the drafter's layers in FP8 (:mod:`vllm_dspark.draft_fp8`), the store keeps the bf16
+projection it was built with.
 
 The method is shadowed on the drafter instance that a vllm-dspark speculator owns, never
 on its class: stock speculators keep stock's eager store.
@@ -26,6 +26,8 @@ from __future__ import annotations
 from bisect import bisect_left
 
 import torch
+
+from vllm_dspark.draft_fp8 import quantize_draft_backbone
 
 PAD_SLOT_ID = -1  # vLLM's padding slot (vllm.v1.attention.backends.utils): no cache write
 
@@ -102,54 +104,16 @@ class ContextKVGraphs:
         ] == self._slot_ptrs
 
 
-def dequantized_fp8(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The [out, in] weight of a linear layer under vLLM's online per-tensor FP8 (its
-    weight stored [in, out] in e4m3, one scale), in ``dtype``."""
-    weight, scale = linear.weight, linear.weight_scale
-    expected = (linear.input_size_per_partition, linear.output_size_per_partition)
-    if tuple(weight.shape) != expected or scale.numel() != 1:
-        raise RuntimeError(
-            f"vllm-dspark: {type(linear).__name__} holds an FP8 weight of shape "
-            f"{tuple(weight.shape)} with {scale.numel()} scales; expected vLLM 0.26.0's online "
-            f"per-tensor layout {expected} with one scale."
-        )
-    return (weight.float() * scale.float()).t().to(dtype)
-
-
-def rebuild_fp8_context_kv(model) -> None:
-    """With the drafter's layers in FP8 (``dspark_fp8_draft_backbone``), rebuild the fused
-    K/V projection that vLLM 0.26.0's DFlash-family drafters compute their context K/V with:
-    stock slices it out of each ``qkv_proj.weight`` as a bf16 [out, in] matrix, which
-    online quantisation has replaced by e4m3 [in, out]. It is built from the dequantised
-    weights instead, so that the context K/V matches what the FP8 layers project. Drafters
-    without that buffer (DeepSeek-V4's module projects through its layers) are left as
-    they are."""
-    inner = model.model
-    if not hasattr(inner, "_build_fused_kv_buffers"):
-        return
-    layers = [layer.self_attn.qkv_proj for layer in inner.layers]
-    if not any(layer.weight.dtype == torch.float8_e4m3fn for layer in layers):
-        return
-    dtype = inner.hidden_norm.weight.dtype
-    stored = [layer._parameters["weight"] for layer in layers]
-    try:
-        for layer in layers:
-            weight = dequantized_fp8(layer, dtype)
-            layer._parameters["weight"] = torch.nn.Parameter(weight, requires_grad=False)
-        inner._build_fused_kv_buffers()
-    finally:
-        for layer, weight in zip(layers, stored, strict=True):
-            layer._parameters["weight"] = weight
-
-
 class GraphedContextKV:
     """Mixin for vllm-dspark's DFlash-family speculators: the context-K/V store replays
-    :class:`ContextKVGraphs`, captured after the speculator's own draft graphs; an FP8
-    drafter's projection for it is rebuilt once the draft loads."""
+    :class:`ContextKVGraphs`, captured after the speculator's own draft graphs. With
+    ``dspark_fp8_draft_backbone`` the drafter's layers go to FP8 once it has loaded, after
+    its context-K/V projection is built from the bf16 weights."""
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
-        rebuild_fp8_context_kv(model)
+        if self.options.fp8_draft_backbone:
+            quantize_draft_backbone(model)
         return model
 
     def set_attn(self, *args, **kwargs) -> None:

@@ -1,37 +1,34 @@
-"""dspark_fp8_draft_backbone: the drafter's layers in vLLM's online FP8 (CPU).
+"""dspark_fp8_draft_backbone: the drafter's layers in rowwise FP8 (CPU).
 
-The option asks vLLM to quantise the draft; what the plugin adds is the context-K/V
-projection, which vLLM 0.26.0's DFlash-family drafters slice out of each layer's
-``qkv_proj.weight`` as a bf16 [out, in] matrix that online quantisation has replaced."""
+The option leaves vLLM's configs alone; once the draft has loaded, the plugin converts the
+linear layers of its decoder layers (vllm_dspark.draft_fp8). On the CPU the FP8 product
+runs through the dequantised operands; tests/gpu/test_pair_arms_gpu.py runs the GPU path."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+from vllm.config import set_current_vllm_config
+from vllm.model_executor.layers.linear import (
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
 
 from vllm_dspark.config import DSparkOptionError, DSparkOptions, check_against_speculative_config
-from vllm_dspark.context_kv import rebuild_fp8_context_kv
-
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 4, 2, 8, 2
-Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+from vllm_dspark.draft_fp8 import Fp8DraftLinearMethod, fp8_linear, quantize_draft_backbone
+from vllm_dspark.head.fp8_rowwise import E4M3_REL_ERR
 
 
-def test_the_option_quantises_the_draft_and_not_the_target(engine_config, model_dirs):
+def test_the_option_leaves_the_configs_stock(engine_config, model_dirs):
     base = {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": 7}
     config = engine_config(base | {"dspark_fp8_draft_backbone": True})
-    draft = config.speculative_config.draft_model_config
-    assert draft.quantization == "fp8_per_tensor"
+    assert config.speculative_config.draft_model_config.quantization is None
     assert config.model_config.quantization is None
-    # vLLM builds the draft's quantisation from the online arguments, not from files that
-    # a bf16 checkpoint does not have (the failure this avoids: H100, 2b4a3dc).
-    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
-    from vllm.model_executor.model_loader.weight_utils import get_quant_config
-
-    assert isinstance(get_quant_config(draft, config.load_config), OnlineQuantizationConfig)
-    assert engine_config(base).speculative_config.draft_model_config.quantization is None
-    with pytest.raises(DSparkOptionError, match="asks quantization='awq'"):
-        engine_config(base | {"dspark_fp8_draft_backbone": True, "quantization": "awq"})
+    assert config.additional_config["dspark"] == {"fp8_draft_backbone": True}
+    with pytest.raises(DSparkOptionError, match=r"already quantised \(fp8\)"):
+        engine_config(base | {"dspark_fp8_draft_backbone": True, "quantization": "fp8"})
     with pytest.raises(DSparkOptionError, match="this engine runs torch.float32"):
         engine_config(base | {"dspark_fp8_draft_backbone": True}, dtype="float32")
 
@@ -45,80 +42,86 @@ def test_an_already_quantised_draft_is_refused():
         check_against_speculative_config(DSparkOptions(fp8_draft_backbone=True), speculative_config)
 
 
-class Qkv(torch.nn.Module):
-    """A QKVParallelLinear after vLLM's online per-tensor FP8: e4m3 [in, out], one scale."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.input_size_per_partition, self.output_size_per_partition = HIDDEN, Q + 2 * KV
-        self.weight_scale = weight.abs().amax().float() / 448
-        quantised = (weight.float() / self.weight_scale).t().to(torch.float8_e4m3fn)
-        self.weight = torch.nn.Parameter(quantised, requires_grad=False)
-        self.bias = None
-
-
-class Drafter(torch.nn.Module):
-    """The attributes vLLM's DFlashQwen3Model._build_fused_kv_buffers reads, with its own
-    code run on them."""
-
-    _build_fused_kv_buffers = DFlashQwen3Model._build_fused_kv_buffers
-    _build_context_kv_buffers = DFlashQwen3Model._build_context_kv_buffers
-
-    def __init__(self, weights: list[torch.Tensor]):
-        super().__init__()
-        self.hidden_norm = torch.nn.RMSNorm(HIDDEN).to(torch.bfloat16)
-        layers = []
-        for weight in weights:
-            attention = torch.nn.Module()
-            attention.qkv_proj = Qkv(weight)
-            attention.k_norm = torch.nn.RMSNorm(HEAD_DIM)
-            attention.q_norm = SimpleNamespace(variance_epsilon=1e-6)
-            attention.rotary_emb = SimpleNamespace(
-                head_size=HEAD_DIM, cos_sin_cache=torch.zeros(4, HEAD_DIM), is_neox_style=True
-            )
-            attention.q_size, attention.kv_size = Q, KV
-            attention.head_dim, attention.num_kv_heads = HEAD_DIM, KV_HEADS
-            attention.attn = object()
-            layer = torch.nn.Module()
-            layer.self_attn = attention
-            layers.append(layer)
-        self.layers = torch.nn.ModuleList(layers)
-
-
-def test_the_context_kv_projection_is_rebuilt_from_the_dequantised_weights():
+def test_the_fp8_product_stays_within_e4m3_rounding_of_bf16():
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(Q + 2 * KV, HIDDEN, generator=gen).bfloat16() for _ in range(LAYERS)]
-    drafter = Drafter(weights)
-    stored = [layer.self_attn.qkv_proj.weight for layer in drafter.layers]
-    rebuild_fp8_context_kv(SimpleNamespace(model=drafter))
-    dequantised = [
-        (qkv.weight.float() * qkv.weight_scale).t()
-        for qkv in (layer.self_attn.qkv_proj for layer in drafter.layers)
-    ]
-    expected = torch.cat([w[Q:] for w in dequantised]).bfloat16()
-    assert drafter._fused_kv_weight.dtype == torch.bfloat16
-    assert torch.equal(drafter._fused_kv_weight, expected)
-    # Within e4m3's rounding of the bf16 rows they stand for.
-    torch.testing.assert_close(
-        drafter._fused_kv_weight.float(),
-        torch.cat([w[Q:] for w in weights]).float(),
-        rtol=0.07,
-        atol=0.07 * max(w.abs().max().item() for w in weights) / 8,
+    x = torch.randn(3, 5, 64, generator=gen).bfloat16()
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    from vllm_dspark.head.fp8_rowwise import quantize_rows
+
+    q, scale = quantize_rows(weight)
+    out = fp8_linear(x, q, scale, bias)
+    assert out.shape == (3, 5, 48) and out.dtype == torch.bfloat16
+    exact = x.float() @ weight.float().t() + bias.float()
+    # Each operand within e4m3's relative rounding: |error| <= (2u + u^2) sum |x||w| (+ bf16).
+    bound = (2 * E4M3_REL_ERR + E4M3_REL_ERR**2) * (x.float().abs() @ weight.float().abs().t())
+    assert bool(((out.float() - exact).abs() <= bound + 0.02 * exact.abs() + 1e-2).all())
+    # ... and not the bf16 product itself: the weights really are in FP8.
+    assert not torch.equal(out, (x @ weight.t() + bias))
+
+
+@pytest.fixture
+def drafter(engine_config, model_dirs, monkeypatch):
+    """A drafter-shaped module of vLLM's own linear layers, bf16, as loaded: decoder layers
+    with a QKV and an output projection, a layer outside them, and one whose width cuBLASLt's
+    FP8 GEMM cannot take."""
+    import vllm.model_executor.parameter as parameter
+
+    # One rank, without a process group (vLLM's parameters record their TP rank).
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)
+    config = engine_config(
+        {"method": "dspark", "model": model_dirs["dspark"], "num_speculative_tokens": 7}
     )
-    # The layers keep their FP8 weights for their own forward.
-    assert [layer.self_attn.qkv_proj.weight for layer in drafter.layers] == stored
-
-
-def test_a_bf16_drafter_is_left_alone_and_an_unknown_fp8_layout_refused():
     gen = torch.Generator().manual_seed(1)
-    weights = [torch.randn(Q + 2 * KV, HIDDEN, generator=gen).bfloat16() for _ in range(LAYERS)]
-    drafter = Drafter(weights)
-    for layer in drafter.layers:
-        layer.self_attn.qkv_proj.weight = torch.nn.Parameter(weights[0], requires_grad=False)
-    rebuild_fp8_context_kv(SimpleNamespace(model=drafter))
-    assert not hasattr(drafter, "_fused_kv_weight")  # stock builds it, from bf16
-    drafter = Drafter(weights)
-    qkv = drafter.layers[0].self_attn.qkv_proj
-    qkv.weight = torch.nn.Parameter(qkv.weight.data.t().contiguous(), requires_grad=False)
-    with pytest.raises(RuntimeError, match="expected vLLM 0.26.0's online per-tensor layout"):
-        rebuild_fp8_context_kv(SimpleNamespace(model=drafter))
+    with set_current_vllm_config(config):
+        layer = torch.nn.Module()
+        layer.qkv_proj = QKVParallelLinear(
+            64, 16, 4, 2, bias=False, params_dtype=torch.bfloat16, disable_tp=True
+        )
+        layer.o_proj = RowParallelLinear(
+            64, 64, bias=False, params_dtype=torch.bfloat16, disable_tp=True
+        )
+        layer.odd = ReplicatedLinear(
+            64, 40, bias=False, params_dtype=torch.bfloat16, disable_tp=True
+        )
+        inner = torch.nn.Module()
+        inner.layers = torch.nn.ModuleList([layer])
+        inner.fc = ReplicatedLinear(
+            64, 64, bias=False, params_dtype=torch.bfloat16, disable_tp=True
+        )
+        built = []
+        inner._build_fused_kv_buffers = lambda: built.append(layer.qkv_proj.weight.dtype)
+    for module in (layer.qkv_proj, layer.o_proj, layer.odd, inner.fc):
+        module.weight.data.copy_(torch.randn(module.weight.shape, generator=gen))
+        module.quant_method.process_weights_after_loading(module)  # as loading ends
+    return SimpleNamespace(model=inner), layer, built
+
+
+def test_the_decoder_layers_go_to_fp8_after_the_context_kv_projection(drafter):
+    model, layer, built = drafter
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    before = {name: getattr(layer, name)(x)[0] for name in ("qkv_proj", "o_proj", "odd")}
+    assert quantize_draft_backbone(model) == 2
+    # Built once, before any weight changed (it reads the bf16 qkv_proj rows).
+    assert built == [torch.bfloat16]
+    for name in ("qkv_proj", "o_proj"):
+        module = getattr(layer, name)
+        assert module.weight.dtype == torch.float8_e4m3fn
+        assert isinstance(module.quant_method, Fp8DraftLinearMethod)
+        after = module(x)[0]
+        assert after.dtype == torch.bfloat16 and not torch.equal(after, before[name])
+        # e4m3 keeps about 2 significant digits: a few percent of the output's norm.
+        error = (after.float() - before[name].float()).norm() / before[name].float().norm()
+        assert 0 < error < 0.06
+    # Outside the decoder layers, or too narrow for the FP8 GEMM: left in bf16.
+    assert isinstance(model.model.fc.quant_method, UnquantizedLinearMethod)
+    assert layer.odd.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.odd(x)[0], before["odd"])
+
+
+def test_a_non_finite_weight_is_refused(drafter):
+    model, layer, _ = drafter
+    layer.o_proj.weight.data[3, 5] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite weight in RowParallelLinear"):
+        quantize_draft_backbone(model)

@@ -123,7 +123,7 @@ case "$stage" in
     # A fixed KV cache (no memory profiling), so that it can run beside another stage
     # (queue.sh's "sanitizer+arms:lossless").
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30))
-    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tail -12
+    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py tests/gpu/test_draft_fp8_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tail -12
     ;;
   fp8e2e)
     vllm_env

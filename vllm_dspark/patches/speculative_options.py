@@ -7,13 +7,7 @@ vLLM then builds from the remaining keys, and stored in
 ``EngineArgs.additional_config["dspark"]``, from which ``VllmConfig`` carries them to
 every engine-core and worker process. With no option set it calls the stock method
 and stores nothing, so the config (and its hash) stays stock. ``dspark_plain_steps`` also
-sets the Dynamic SD table of :func:`vllm_dspark.capacity.plain_steps.dynamic_sd_table`;
-``dspark_fp8_draft_backbone`` sets the draft's ``quantization`` to vLLM's online
-``fp8_per_tensor`` before vLLM builds the draft's model config, and gives that config the
-online quantisation arguments ``EngineArgs`` resolves for a target but
-``SpeculativeConfig`` leaves out (without them vLLM looks for a checkpoint's FP8 config
-and fails at start-up: H100, 2b4a3dc), with dict ``hf_overrides``, which
-``get_quant_config`` requires before it reads them.
+sets the Dynamic SD table of :func:`vllm_dspark.capacity.plain_steps.dynamic_sd_table`.
 Why: ``SpeculativeConfig`` is a pydantic dataclass with ``extra="forbid"``, so an
 unknown key fails, and vLLM has no way for a plugin to declare speculative options.
 Upstream: no plugin-extensible speculative config in vLLM 0.26.0 (a speculator
@@ -25,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.config.quantization import resolve_quantization_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 
@@ -38,10 +31,6 @@ from vllm_dspark.config import (
     resolve_options,
 )
 from vllm_dspark.patches.wrapping import wrap
-
-# vLLM's online per-tensor FP8 of a bf16 checkpoint (e4m3 weight [in, out], one scale),
-# the layout vllm_dspark.context_kv dequantises.
-DRAFT_QUANTIZATION = "fp8_per_tensor"
 
 # Under vLLM's logger namespace, so that our lines share its handlers and format.
 logger = init_logger(f"vllm.{__name__}")
@@ -63,8 +52,6 @@ def _make_wrapper(create_speculative_config):
         options, overrides = resolve_options(our_keys)
         for line in overrides:
             logger.warning("vllm-dspark: %s (the environment wins).", line)
-        if options.fp8_draft_backbone:
-            stock_keys = {**stock_keys, "quantization": _draft_quantization(stock_keys)}
         self.speculative_config = stock_keys
         try:
             speculative_config = create_speculative_config(self, *args, **kwargs)
@@ -73,13 +60,6 @@ def _make_wrapper(create_speculative_config):
             if our_keys:
                 self.speculative_config = {**(self.speculative_config or {}), **our_keys}
         check_against_speculative_config(options, speculative_config)
-        if options.fp8_draft_backbone:
-            draft = speculative_config.draft_model_config
-            draft.quantization_config = resolve_quantization_config(DRAFT_QUANTIZATION, None)
-            # vLLM reads those arguments only past a check that hf_overrides is a dict; the
-            # draft's is the transform SpeculativeConfig already applied to its hf_config
-            # (ModelConfig uses it in __post_init__ alone, and leaves it out of its hash).
-            draft.hf_overrides = {}
         if options.plain_steps:
             if self.data_parallel_size > 1:
                 raise DSparkOptionError(
@@ -106,17 +86,6 @@ def _make_wrapper(create_speculative_config):
         return speculative_config
 
     return create_speculative_config_with_dspark
-
-
-def _draft_quantization(stock_keys: dict[str, Any]) -> str:
-    given = stock_keys.get("quantization")
-    if given not in (None, DRAFT_QUANTIZATION):
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}fp8_draft_backbone=True quantises the draft with "
-            f"{DRAFT_QUANTIZATION}, and the speculative config asks quantization={given!r}. "
-            "Valid: drop one of the two."
-        )
-    return DRAFT_QUANTIZATION
 
 
 def apply() -> None:
