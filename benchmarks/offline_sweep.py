@@ -608,7 +608,7 @@ def keep_row(rows: list[dict], out: Path, context: dict, row: dict) -> None:
 
 def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
     """One engine in a process of its own; each row goes to ``keep`` as soon as the engine
-    prints it. Returns the exit code and the tail of the engine's stderr."""
+    prints it. Returns the exit code and :func:`failure_excerpt` of the engine's stderr."""
     command = [sys.executable, __file__, "--out", str(out), "--arm-spec", json.dumps(spec)]
     # stderr to a file: vLLM logs more than a pipe holds while stdout is being read.
     with tempfile.TemporaryFile(mode="w+") as errors:
@@ -617,7 +617,18 @@ def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
                 if line.startswith("ROW "):
                     keep(json.loads(line[4:]))
         errors.seek(0)
-        return engine.returncode, errors.read()[-3000:]
+        return engine.returncode, failure_excerpt(errors.read())
+
+
+def failure_excerpt(stderr: str, tail: int = 3000, most: int = 80) -> str:
+    """What to print of a failed engine's stderr: the last traceback its engine-core process
+    logged (the root cause, which the front end's own traceback pushes out of a short tail;
+    twice a failed start showed only "Engine core initialization failed", 2b4a3dc and
+    ea69b9f), at most ``most`` lines, then the last ``tail`` characters."""
+    core = [line for line in stderr.splitlines() if line.startswith("(EngineCore")]
+    starts = [i for i, line in enumerate(core) if "Traceback (most recent call last)" in line]
+    root = core[starts[-1] : starts[-1] + most] if starts else []
+    return "\n".join([*root, "..."] if root else []) + stderr[-tail:]
 
 
 @functools.cache

@@ -693,3 +693,27 @@ def test_the_oracle_drafts_while_it_pays_and_its_batch_drains_to_the_slowest_req
     assert 127 / 4.5 < alone < 127 / 3 and steps > alone and ms == steps
     # Each verified draft costs a whole step: none pays, the batch runs 127 plain steps.
     assert oracle_drain(costs(1.0), rates, 32, 128, trials=2) == (127.0, 127.0)
+
+
+def test_a_failed_engine_shows_its_engine_cores_traceback():
+    from offline_sweep import failure_excerpt
+
+    core = "(EngineCore pid=7) "
+    stderr = "\n".join(
+        [
+            f"{core}INFO loading",
+            f"{core}Traceback (most recent call last):",
+            f"{core}  File 'old.py'",
+            f"{core}Traceback (most recent call last):",
+            f'{core}  File "vllm/config/vllm.py", line 679, in _get_quantization_config',
+            f"{core}TypeError: missing 'args'",
+            *(f"  frame {i} of the front end" for i in range(400)),
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    excerpt = failure_excerpt(stderr)
+    assert excerpt.startswith(f"{core}Traceback")
+    assert "TypeError: missing 'args'" in excerpt and "old.py" not in excerpt
+    assert excerpt.endswith("See root cause above.")
+    # Without an engine-core traceback: the tail alone.
+    assert failure_excerpt("short failure") == "short failure"

@@ -18,7 +18,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dspark.config import DSparkOptionError, DSparkOptions, check_against_speculative_config
 from vllm_dspark.draft_fp8 import Fp8DraftLinearMethod, fp8_linear, quantize_draft_backbone
-from vllm_dspark.head.fp8_rowwise import E4M3_REL_ERR
+from vllm_dspark.head.fp8_rowwise import E4M3_REL_ERR, quantize_rows
 
 
 def test_the_option_leaves_the_configs_stock(engine_config, model_dirs):
@@ -47,8 +47,6 @@ def test_the_fp8_product_stays_within_e4m3_rounding_of_bf16():
     x = torch.randn(3, 5, 64, generator=gen).bfloat16()
     weight = torch.randn(48, 64, generator=gen).bfloat16()
     bias = torch.randn(48, generator=gen).bfloat16()
-    from vllm_dspark.head.fp8_rowwise import quantize_rows
-
     q, scale = quantize_rows(weight)
     out = fp8_linear(x, q, scale, bias)
     assert out.shape == (3, 5, 48) and out.dtype == torch.bfloat16
@@ -125,3 +123,12 @@ def test_a_non_finite_weight_is_refused(drafter):
     layer.o_proj.weight.data[3, 5] = float("inf")
     with pytest.raises(RuntimeError, match="non-finite weight in RowParallelLinear"):
         quantize_draft_backbone(model)
+
+
+def test_the_fp8_product_traces_into_one_graph():
+    """vLLM compiles the drafter's forward: the FP8 layers must trace without a break."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    q, scale = quantize_rows(torch.randn(32, 64, generator=gen))
+    compiled = torch.compile(fp8_linear, backend="eager", fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x, q, scale, None), fp8_linear(x, q, scale, None))

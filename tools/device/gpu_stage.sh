@@ -86,7 +86,8 @@ use_recalibrated() {
   fi
 }
 # Line-buffered, so that a stage's log under $OUT shows how far it got when it is cut.
-quiet() { grep --line-buffered -v "^INFO\|^WARNING\|^(EngineCore\|^\[" ; }
+# The engine core's own INFO/WARNING/DEBUG lines go too; its errors and tracebacks stay.
+quiet() { grep --line-buffered -v "^INFO\|^WARNING\|^(EngineCore[^)]*) \(INFO\|WARNING\|DEBUG\)\|^\[" ; }
 case "$stage" in
   kernels)
     PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_capacity_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
@@ -123,7 +124,7 @@ case "$stage" in
     # A fixed KV cache (no memory profiling), so that it can run beside another stage
     # (queue.sh's "sanitizer+arms:lossless").
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30))
-    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py tests/gpu/test_draft_fp8_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tail -12
+    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py tests/gpu/test_draft_fp8_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tee "$OUT/arms.log" | tail -12
     ;;
   fp8e2e)
     vllm_env
