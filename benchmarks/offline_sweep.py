@@ -565,7 +565,7 @@ def main() -> int:
     # Asked once, before any engine: not from the middle of the first engine's rows, which
     # this process now records as they come.
     device_name()
-    rows = []
+    rows, failed = [], {}
     for position, (label, options, switch) in enumerate(runs):
         bracket = {}
         if args.bracket and position in (0, len(runs) - 1):
@@ -590,20 +590,25 @@ def main() -> int:
             "tensor_parallel_size": args.tensor_parallel_size,
         }
         context = {"setup": setup, "arm": label, **({"engine": label} if switch else {}), **bracket}
-        keep = functools.partial(keep_row, rows, args.out, context)
+        keep = functools.partial(keep_row, rows, failed, args.out, context)
         returncode, errors = run_engine(spec, args.out, keep)
         if returncode != 0:
+            # The other arms still run: one arm failing to start must not cost the rest.
             print(errors, file=sys.stderr)
-            return returncode
-    return 0
+            failed[label] = next(
+                (line for line in reversed(errors.splitlines()) if "Error" in line),
+                f"exit code {returncode}",
+            )
+            write_record(args.out, rows, failed)
+    return 1 if failed else 0
 
 
-def keep_row(rows: list[dict], out: Path, context: dict, row: dict) -> None:
+def keep_row(rows: list[dict], failed: dict, out: Path, context: dict, row: dict) -> None:
     """Add an engine's row (its own arm name, in a shared engine, over the label's) and
     rewrite the record."""
     rows.append(context | row)
     print(json.dumps(rows[-1]), flush=True)
-    write_record(out, rows)
+    write_record(out, rows, failed)
 
 
 def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
@@ -638,13 +643,16 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def write_record(path: Path, rows: list[dict]) -> None:
+def write_record(path: Path, rows: list[dict], failed: dict[str, str]) -> None:
+    """The record so far; ``failed``: the arms whose engine failed, each with the last error
+    line it printed."""
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(),
         "rows": rows,
+        **({"failed_arms": failed} if failed else {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     # Whole or not at all: the device queue may pack the file while a row is being added.

@@ -201,9 +201,9 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch
 class FakeEngine:
     """subprocess.Popen of an offline_sweep engine: prints ``rows`` as the engine would."""
 
-    def __init__(self, rows: list[dict]):
+    def __init__(self, rows: list[dict], returncode: int = 0):
         self.stdout = ["a log line\n", *("ROW " + json.dumps(row) + "\n" for row in rows)]
-        self.returncode = 0
+        self.returncode = returncode
 
     def __enter__(self):
         return self
@@ -215,15 +215,18 @@ class FakeEngine:
 @pytest.fixture
 def fake_engines(monkeypatch):
     """Every engine offline_sweep.main() starts prints the rows of ``fake_engines.rows``
-    (a function of the engine's spec); ``fake_engines.specs`` lists their specs."""
+    (a function of the engine's spec); ``fake_engines.specs`` lists their specs; the
+    engines numbered in ``fake_engines.failing`` (from 0) exit with 1 before any row."""
     import types
 
     import offline_sweep
 
-    state = types.SimpleNamespace(specs=[], rows=lambda spec: [])
+    state = types.SimpleNamespace(specs=[], rows=lambda spec: [], failing=set())
 
     def start(command, **kwargs):
         state.specs.append(json.loads(command[command.index("--arm-spec") + 1]))
+        if len(state.specs) - 1 in state.failing:
+            return FakeEngine([], returncode=1)
         return FakeEngine(state.rows(state.specs[-1]))
 
     monkeypatch.setattr(offline_sweep.subprocess, "Popen", start)
@@ -242,7 +245,7 @@ def test_offline_sweep_brackets_the_other_engines_with_the_first(
     fake_engines.rows = print_rows
     written = []
     monkeypatch.setattr(
-        offline_sweep, "write_record", lambda path, rows: written.append(list(rows))
+        offline_sweep, "write_record", lambda path, rows, failed: written.append(list(rows))
     )
     argv = ["offline_sweep.py", "--arms", "nospec,dspark", "--concurrency", "1,16"]
     monkeypatch.setattr(sys, "argv", [*argv, "--bracket", "--out", str(tmp_path / "o.json")])
@@ -296,7 +299,7 @@ def test_offline_sweep_runs_engines_in_the_order_of_their_first_arm(
     fake_engines.rows = print_rows
     written = []
     monkeypatch.setattr(
-        offline_sweep, "write_record", lambda path, rows: written.append(list(rows))
+        offline_sweep, "write_record", lambda path, rows, failed: written.append(list(rows))
     )
     arms = "nospec,sps-depth-plain,budget,dspark,sps-depth-plain-fp8,dynamic-sd"
     argv = ["offline_sweep.py", "--pair", "tiny", "--arms", arms, "--shared-engine"]
@@ -319,7 +322,7 @@ def test_offline_sweep_runs_every_arm_with_the_drafts_asked_for(
     drafter written with a block of 3; K other than 7 is refused where it cannot hold."""
     import offline_sweep
 
-    monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows: None)
+    monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows, failed: None)
     out = ["--out", str(tmp_path / "o.json")]
     argv = ["offline_sweep.py", "--pair", "tiny", "--arms", "nospec,dspark", "--num-drafts", "3"]
     monkeypatch.setattr(sys, "argv", [*argv, *out])
@@ -717,3 +720,17 @@ def test_a_failed_engine_shows_its_engine_cores_traceback():
     assert excerpt.endswith("See root cause above.")
     # Without an engine-core traceback: the tail alone.
     assert failure_excerpt("short failure") == "short failure"
+
+
+def test_an_arm_that_fails_to_start_leaves_the_others_running(fake_engines, monkeypatch, tmp_path):
+    import offline_sweep
+
+    fake_engines.rows = lambda spec: [{"concurrency": 1, "tok_s": 1.0}]
+    fake_engines.failing = {1}
+    out = tmp_path / "o.json"
+    argv = ["offline_sweep.py", "--arms", "nospec,dspark-fp8-backbone,dspark", "--concurrency", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    assert offline_sweep.main() == 1
+    record = json.loads(out.read_text())
+    assert [row["arm"] for row in record["rows"]] == ["nospec", "dspark"]
+    assert record["failed_arms"] == {"dspark-fp8-backbone": "exit code 1"}
