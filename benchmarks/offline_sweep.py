@@ -57,6 +57,28 @@ DYNAMIC_SD_TABLE = json.loads(
     (Path(__file__).parent / "results" / "dynamic_sd_table.json").read_text()
 )["num_speculative_tokens_per_batch_size"]
 
+# sps whose closed draft gate schedules plain decode steps, drafting only the depth that
+# pays under the load; the same for DFlash with the acceptance-length controller.
+SPS_DEPTH_PLAIN = {
+    "dspark_capacity": "sps",
+    "dspark_varlen_verify": True,
+    "dspark_dynamic_depth": True,
+    "dspark_plain_steps": True,
+}
+DFLASH_DEPTH_PLAIN = {
+    "method": "dflash",
+    "dspark_capacity": "acceptance",
+    "dspark_varlen_verify": True,
+    "dspark_dynamic_depth": True,
+    "dspark_plain_steps": True,
+}
+# Every drafting cut both drafters take: FP8 layers and LM head over part of the vocabulary.
+LEAN_DRAFTING = {
+    "dspark_fp8_draft_backbone": True,
+    "dspark_fp8_draft_head": True,
+    "dspark_draft_vocab": DRAFT_VOCAB,
+}
+
 ARMS = {
     "nospec": None,
     "dspark": {},
@@ -98,48 +120,16 @@ ARMS = {
         "dspark_plain_steps": True,
     },
     # sps-plain whose drafter runs only the depth that pays under the load.
-    "sps-depth-plain": {
-        "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-    },
+    "sps-depth-plain": SPS_DEPTH_PLAIN,
     # ... drafting through the rowwise FP8 LM head (an engine of its own).
-    "sps-depth-plain-fp8": {
-        "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_fp8_draft_head": True,
-    },
+    "sps-depth-plain-fp8": SPS_DEPTH_PLAIN | {"dspark_fp8_draft_head": True},
     # ... drafting with the drafter's own layers in FP8 (an engine of its own).
-    "sps-depth-plain-fp8-backbone": {
-        "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_fp8_draft_backbone": True,
-    },
+    "sps-depth-plain-fp8-backbone": SPS_DEPTH_PLAIN | {"dspark_fp8_draft_backbone": True},
     # ... drafting as cheaply as the plugin can: FP8 layers and heads over part of the
     # vocabulary (an engine of its own).
-    "sps-depth-plain-lean": {
-        "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_fp8_draft_backbone": True,
-        "dspark_fp8_draft_head": True,
-        "dspark_fp8_markov_head": True,
-        "dspark_draft_vocab": DRAFT_VOCAB,
-    },
+    "sps-depth-plain-lean": SPS_DEPTH_PLAIN | LEAN_DRAFTING | {"dspark_fp8_markov_head": True},
     # ... drafting over part of the vocabulary (an engine of its own).
-    "sps-depth-plain-vocab": {
-        "dspark_capacity": "sps",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_draft_vocab": DRAFT_VOCAB,
-    },
+    "sps-depth-plain-vocab": SPS_DEPTH_PLAIN | {"dspark_draft_vocab": DRAFT_VOCAB},
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
     # lasts as long as its slowest request (benchmarks/batch_steps.py).
     "sps-batch": {
@@ -170,40 +160,11 @@ ARMS = {
         "dspark_varlen_verify": True,
         "dspark_dynamic_depth": True,
     },
-    "dflash-depth-plain": {
-        "method": "dflash",
-        "dspark_capacity": "acceptance",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-    },
-    "dflash-depth-plain-fp8-backbone": {
-        "method": "dflash",
-        "dspark_capacity": "acceptance",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_fp8_draft_backbone": True,
-    },
-    "dflash-depth-plain-vocab": {
-        "method": "dflash",
-        "dspark_capacity": "acceptance",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_draft_vocab": DRAFT_VOCAB,
-    },
+    "dflash-depth-plain": DFLASH_DEPTH_PLAIN,
+    "dflash-depth-plain-fp8-backbone": DFLASH_DEPTH_PLAIN | {"dspark_fp8_draft_backbone": True},
+    "dflash-depth-plain-vocab": DFLASH_DEPTH_PLAIN | {"dspark_draft_vocab": DRAFT_VOCAB},
     # ... drafting as cheaply as the plugin can (DFlash has no Markov head).
-    "dflash-depth-plain-lean": {
-        "method": "dflash",
-        "dspark_capacity": "acceptance",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-        "dspark_plain_steps": True,
-        "dspark_fp8_draft_backbone": True,
-        "dspark_fp8_draft_head": True,
-        "dspark_draft_vocab": DRAFT_VOCAB,
-    },
+    "dflash-depth-plain-lean": DFLASH_DEPTH_PLAIN | LEAN_DRAFTING,
 }
 
 
