@@ -12,9 +12,9 @@
 #            stages on the same machine run on it; plus the FP8 head's agreement on the
 #            pair's real hidden states
 #   pair     demo + reference check (vLLM)
-#   arms     capacity modes (one engine, switched) and FP8 head on the pair, against no
-#            speculation (vLLM; 4 engines of ~60-90 s; a pytest -k expression as the third
-#            argument selects)
+#   arms     capacity modes (one engine, switched), FP8 heads and FP8 drafter on the pair,
+#            against no speculation, and the FP8 drafter's GEMM (vLLM; 4 engines of ~60-90 s;
+#            a pytest -k expression as the third argument selects; whole log in arms.log)
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages;
 #            third argument embedded: the embedded pair's target (real weights) instead
