@@ -29,7 +29,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-from vllm_dspark.head.fp8_rowwise import quantize_rows
+from vllm_dspark.head.fp8_rowwise import Fp8RowwiseWeight, quantize_rows
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -100,14 +100,15 @@ def quantize_draft_backbone(model: torch.nn.Module) -> int:
                 f"vllm-dspark: dspark_fp8_draft_backbone quantises bf16 or fp16 layers; "
                 f"{type(layer).__name__} holds {weight.dtype}."
             )
-        if not bool(torch.isfinite(weight).all()):
+        try:
+            fp8 = Fp8RowwiseWeight.from_weight(weight.data)
+        except ValueError as error:  # a NaN or inf in the weight
             raise RuntimeError(
                 f"vllm-dspark: dspark_fp8_draft_backbone found a non-finite weight in "
                 f"{type(layer).__name__}."
-            )
-        q, scale = quantize_rows(weight.data)
-        layer.weight = torch.nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+            ) from error
+        layer.weight = torch.nn.Parameter(fp8.weight, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(fp8.scale, requires_grad=False)
         layer.quant_method = Fp8DraftLinearMethod()
         converted += 1
     logger.info("vllm-dspark: %d drafter layers run in rowwise FP8.", converted)
