@@ -32,7 +32,11 @@ def _gpu_checks() -> list[Check]:
     checks = [
         Check("CUDA GPU", True, f"{name}, compute capability {major}.{minor}"),
         # e4m3 tensor-core matmuls start with Ada (8.9) and Hopper (9.0).
-        Check("FP8 (e4m3)", (major, minor) >= (8, 9), "needed by dspark_fp8_draft_head"),
+        Check(
+            "FP8 (e4m3)",
+            (major, minor) >= (8, 9),
+            "needed by dspark_fp8_draft_head, _markov_head and _draft_backbone",
+        ),
     ]
     from vllm.triton_utils import HAS_TRITON
 

@@ -29,6 +29,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
+from vllm_dspark.head.draft_heads import check_fp8_supported
 from vllm_dspark.head.fp8_rowwise import Fp8RowwiseWeight, quantize_rows
 
 logger = init_logger(f"vllm.{__name__}")
@@ -83,6 +84,9 @@ def quantize_draft_backbone(model: torch.nn.Module) -> int:
     weights load, and lazily at the first store with dummy weights, which would then read
     FP8 rows)."""
     inner = model.model
+    first = next(inner.layers.parameters(), None)
+    if first is not None and first.is_cuda:  # (the CPU tests run the dequantised product)
+        check_fp8_supported("fp8_draft_backbone", first)
     if hasattr(inner, "_build_fused_kv_buffers"):
         inner._build_fused_kv_buffers()
     converted = 0

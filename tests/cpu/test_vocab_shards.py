@@ -35,7 +35,7 @@ def reference_kernel_argmax(x, head, *, vocab_limit, workspace=None):
 
 @pytest.fixture
 def fp8_on_cpu(monkeypatch):
-    monkeypatch.setattr(draft_heads, "_check_fp8_supported", lambda option, weight: None)
+    monkeypatch.setattr(draft_heads, "check_fp8_supported", lambda option, weight: None)
     monkeypatch.setattr(draft_heads, "fp8_head_logits", reference_kernel_logits)
     monkeypatch.setattr(draft_heads, "fp8_head_argmax", reference_kernel_argmax)
 

@@ -58,7 +58,7 @@ MIN_FP8_CAPABILITY = (8, 9)
 PRE_HEAD_NORM_DRAFTERS = ("DSparkDeepseekV4ForCausalLM",)
 
 
-def _check_fp8_supported(option: str, weight: torch.Tensor) -> None:
+def check_fp8_supported(option: str, weight: torch.Tensor) -> None:
     device = weight.device
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_FP8_CAPABILITY:
@@ -79,7 +79,7 @@ def _padded_rows(weight: torch.Tensor | None, rows: torch.Tensor, count: int):
 
 
 def _quantize(option: str, weight: torch.Tensor) -> Fp8RowwiseWeight:
-    _check_fp8_supported(option, weight)
+    check_fp8_supported(option, weight)
     fp8 = Fp8RowwiseWeight.from_weight(weight)
     extra = fp8.weight.numel() * fp8.weight.element_size() + fp8.scale.numel() * 4
     logger.info(
