@@ -267,6 +267,7 @@ def costs_by_requests(
     requests = sorted(measured)
     multiples = sorted(FORWARD_SOURCES)
 
+    @functools.cache  # a draining batch asks for each request count over and over
     def at(num_reqs: int) -> dict:
         def between(values: list[float]) -> float:
             return float(np.interp(num_reqs, requests, values))
