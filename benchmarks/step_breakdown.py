@@ -181,7 +181,7 @@ ARMS = {
     "fp8-k3": (3, "rates", FP8_HEAD),
     "vocab-k3": (3, "rates", VOCAB_HEAD),
     "vocab-k7": (7, "rates", VOCAB_HEAD),
-    # The drafter's own layers in FP8 (vLLM's online quantisation of the draft).
+    # The drafter's own layers in rowwise FP8 (vllm_dspark.draft_fp8).
     "fp8bb-k3": (3, "rates", {"dspark_fp8_draft_backbone": True}),
     "conf-k1": (1, "confidence", {}),
     "conf-k3": (3, "confidence", {}),
