@@ -556,10 +556,7 @@ def main() -> int:
         if returncode != 0:
             # The other arms still run: one arm failing to start must not cost the rest.
             print(errors, file=sys.stderr)
-            failed[label] = next(
-                (line for line in reversed(errors.splitlines()) if "Error" in line),
-                f"exit code {returncode}",
-            )
+            failed[label] = failure_line(errors, returncode)
             write_record(args.out, rows, failed)
     return 1 if failed else 0
 
@@ -584,6 +581,16 @@ def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
                     keep(json.loads(line[4:]))
         errors.seek(0)
         return engine.returncode, failure_excerpt(errors.read())
+
+
+def failure_line(excerpt: str, returncode: int) -> str:
+    """The error a failed engine's :func:`failure_excerpt` names: its engine core's last
+    one where the core logged one (the front end's only says the core failed)."""
+    lines = excerpt.splitlines()
+    core = [line for line in lines if line.startswith("(EngineCore")]
+    return next(
+        (line for line in reversed(core or lines) if "Error" in line), f"exit code {returncode}"
+    )
 
 
 def failure_excerpt(stderr: str, tail: int = 3000, most: int = 80) -> str:

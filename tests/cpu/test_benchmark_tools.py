@@ -699,7 +699,7 @@ def test_the_oracle_drafts_while_it_pays_and_its_batch_drains_to_the_slowest_req
 
 
 def test_a_failed_engine_shows_its_engine_cores_traceback():
-    from offline_sweep import failure_excerpt
+    from offline_sweep import failure_excerpt, failure_line
 
     core = "(EngineCore pid=7) "
     stderr = "\n".join(
@@ -718,6 +718,10 @@ def test_a_failed_engine_shows_its_engine_cores_traceback():
     assert excerpt.startswith(f"{core}Traceback")
     assert "TypeError: missing 'args'" in excerpt and "old.py" not in excerpt
     assert excerpt.endswith("See root cause above.")
+    # What the record's failed_arms keeps: the engine core's error, not the front end's.
+    assert failure_line(excerpt, 1) == f"{core}TypeError: missing 'args'"
+    assert failure_line("RuntimeError: no core", 1) == "RuntimeError: no core"
+    assert failure_line("", 3) == "exit code 3"
     # Without an engine-core traceback: the tail alone.
     assert failure_excerpt("short failure") == "short failure"
 
