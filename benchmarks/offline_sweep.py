@@ -141,6 +141,9 @@ ARMS = {
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
     # DFlash (no confidence head): fixed depth, and the acceptance-length controller.
     "dflash": {"method": "dflash"},
+    # ... fixed depth, drafting as cheaply as the plugin can: what the cuts alone bring,
+    # against which the controller's own share shows (an engine of its own).
+    "dflash-lean": {"method": "dflash"} | LEAN_DRAFTING,
     "dflash-acceptance": {
         "method": "dflash",
         "dspark_capacity": "acceptance",

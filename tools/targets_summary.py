@@ -172,33 +172,60 @@ def depth_gain(record: dict) -> dict:
     }
 
 
+# Options of the acceptance-length controller (what a controller arm adds to fixed depth).
+CONTROLLER_KEYS = {
+    "dspark_capacity",
+    "dspark_varlen_verify",
+    "dspark_dynamic_depth",
+    "dspark_plain_steps",
+}
+
+
+def fixed_counterpart(arm: str) -> str | None:
+    """The fixed-depth DFlash arm that drafts as ``arm`` does (same drafter options, no
+    controller): the like-for-like rival of a controller arm, whose drafting cuts would
+    otherwise count as the controller's gain."""
+    drafting = {key: value for key, value in ARMS[arm].items() if key not in CONTROLLER_KEYS}
+    return next(
+        (
+            name
+            for name, options in ARMS.items()
+            if options == drafting and not (options.keys() & CONTROLLER_KEYS)
+        ),
+        None,
+    )
+
+
 def dflash(record: dict) -> dict:
-    """Each acceptance-controller arm the run has (``dflash-*``: without and with dynamic
-    depth and plain steps) against fixed depth and no speculation, with both arms'
-    repeats at 256 where recorded; the target passes if one arm meets all of it."""
+    """Each acceptance-controller arm the run has (``dflash-*`` with
+    ``dspark_capacity=acceptance``: without and with dynamic depth, plain steps and
+    drafting cuts) against the fixed-depth arm that drafts alike (:func:`fixed_counterpart`)
+    and no speculation, with both arms' repeats at 256 where recorded; the target passes if
+    one arm meets all of it."""
     tok_s, cached = _tok_s(record["rows"]), cached_arms(record["rows"])
     repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in record["rows"]}
-    concurrencies = sorted({c for arm, c in tok_s if arm == "dflash"})
-    measured = {}
-    for arm in sorted({arm for arm, _ in tok_s if arm.startswith("dflash-")}):
-        if (arm, 256) in tok_s:
-            ratios = {str(c): tok_s[(arm, c)] / tok_s[("dflash", c)] for c in concurrencies}
-            over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
-            measured[arm] = {"over_fixed": ratios, "over_nospec_256": over_nospec}
-            if repeats[(arm, 256)] and repeats[("nospec", 256)]:
-                measured[arm]["repeats_256"] = {
-                    arm: repeats[(arm, 256)],
-                    "nospec": repeats[("nospec", 256)],
-                }
-    verdicts = [
-        _verdict(
-            min(arm["over_fixed"].values()) >= 1.0 and arm["over_nospec_256"] > 1.0,
-            {name},
-            {"dflash", "nospec"},
-            cached,
-        )
-        for name, arm in measured.items()
-    ]
+    measured, verdicts = {}, []
+    controllers = {
+        arm
+        for arm, _ in tok_s
+        if (ARMS.get(arm) or {}).get("method") == "dflash"
+        and ARMS[arm].get("dspark_capacity") == "acceptance"
+    }
+    for arm in sorted(controllers):
+        fixed = fixed_counterpart(arm)
+        concurrencies = sorted(c for a, c in tok_s if a == fixed)
+        if (arm, 256) not in tok_s or not concurrencies:
+            continue
+        ratios = {str(c): tok_s[(arm, c)] / tok_s[(fixed, c)] for c in concurrencies}
+        over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
+        measured[arm] = {"fixed_arm": fixed, "over_fixed": ratios, "over_nospec_256": over_nospec}
+        if repeats[(arm, 256)] and repeats[("nospec", 256)]:
+            measured[arm]["repeats_256"] = {
+                arm: repeats[(arm, 256)],
+                "nospec": repeats[("nospec", 256)],
+            }
+        passes = min(ratios.values()) >= 1.0 and over_nospec > 1.0
+        verdicts.append(_verdict(passes, {arm}, {fixed, "nospec"}, cached))
     return {
         "target": "DFlash + acceptance controller >= DFlash fixed at 1/16/64/256, > no "
         "speculation at 256",

@@ -89,6 +89,27 @@ def test_every_target_is_checked_from_its_record(tmp_path):
     assert sts["evidence"] == {"file": "benchmarks/results/online_sts.json"} | RECORD
 
 
+def test_a_lean_controller_arm_is_held_to_the_fixed_arm_that_drafts_alike():
+    from targets_summary import dflash, fixed_counterpart
+
+    assert fixed_counterpart("dflash-depth-plain") == "dflash"
+    assert fixed_counterpart("dflash-depth-plain-lean") == "dflash-lean"
+    # The lean controller beats stock fixed depth and no speculation, but not fixed depth
+    # with the same drafting cuts at one request; fixed lean is no controller arm.
+    tok_s = {(arm, c): 100.0 for arm in ("dflash", "nospec") for c in (1, 16, 64, 256)}
+    tok_s |= {("dflash-lean", c): 103.0 for c in (1, 16, 64, 256)}
+    tok_s |= {("dflash-depth-plain-lean", c): 104.0 for c in (16, 64, 256)}
+    tok_s[("dflash-depth-plain-lean", 1)] = 102.0
+    entry = dflash({"rows": sweep_rows("qwen3-8b/rates", tok_s)})
+    assert set(entry["measured"]) == {"dflash-depth-plain-lean"}
+    measured = entry["measured"]["dflash-depth-plain-lean"]
+    assert measured["fixed_arm"] == "dflash-lean"
+    assert measured["over_fixed"]["1"] == pytest.approx(102 / 103)
+    assert entry["passes"] is False
+    tok_s[("dflash-depth-plain-lean", 1)] = 103.0
+    assert dflash({"rows": sweep_rows("qwen3-8b/rates", tok_s)})["passes"] is True
+
+
 def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
     for issue in ("capacity", "depth-sts", "step-cost"):
         entries, missing = summarize(tmp_path, issue)
