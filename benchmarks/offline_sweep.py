@@ -16,7 +16,8 @@ conditional rates and accepts each draft with its confidence
 (``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have
 no confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with
 real verification (DSpark arms only), on windows of its held-out text (``--prompts``).
-``--shared-engine`` runs the capacity arms of each method (DSpark, DFlash) in one engine,
+``--shared-engine`` runs capacity arms that differ only in what a running engine can
+switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
 (:mod:`vllm_dspark.engine_control`); their rows name that engine.
 ``--num-drafts`` sets K for every speculating arm (dummy shapes; default 7).
@@ -65,13 +66,13 @@ SPS_DEPTH_PLAIN = {
     "dspark_dynamic_depth": True,
     "dspark_plain_steps": True,
 }
-DFLASH_DEPTH_PLAIN = {
+DFLASH_DEPTH = {
     "method": "dflash",
     "dspark_capacity": "acceptance",
     "dspark_varlen_verify": True,
     "dspark_dynamic_depth": True,
-    "dspark_plain_steps": True,
 }
+DFLASH_DEPTH_PLAIN = DFLASH_DEPTH | {"dspark_plain_steps": True}
 # Every drafting cut both drafters take: FP8 layers and LM head over part of the vocabulary.
 LEAN_DRAFTING = {
     "dspark_fp8_draft_backbone": True,
@@ -157,17 +158,14 @@ ARMS = {
         "dspark_plain_steps": True,
     },
     # ... whose drafter samples only the positions the next step verifies.
-    "dflash-depth": {
-        "method": "dflash",
-        "dspark_capacity": "acceptance",
-        "dspark_varlen_verify": True,
-        "dspark_dynamic_depth": True,
-    },
+    "dflash-depth": DFLASH_DEPTH,
     "dflash-depth-plain": DFLASH_DEPTH_PLAIN,
     "dflash-depth-plain-fp8-backbone": DFLASH_DEPTH_PLAIN | {"dspark_fp8_draft_backbone": True},
     "dflash-depth-plain-vocab": DFLASH_DEPTH_PLAIN | {"dspark_draft_vocab": DRAFT_VOCAB},
     # ... drafting as cheaply as the plugin can (DFlash has no Markov head).
     "dflash-depth-plain-lean": DFLASH_DEPTH_PLAIN | LEAN_DRAFTING,
+    # ... without plain steps (with --shared-engine, one engine for both: same cuts).
+    "dflash-depth-lean": DFLASH_DEPTH | LEAN_DRAFTING,
 }
 
 
@@ -403,12 +401,13 @@ def run_arm_here(spec: dict) -> None:
 
 
 def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, list]:
-    """Start-up options that prepare every capacity arm of one method (compaction, depth
-    graphs, the SPS profile) and, per arm, the options switched to (``dspark_`` prefix
-    dropped)."""
+    """Start-up options that prepare every capacity arm of one engine (compaction, depth
+    graphs, the SPS profile, their common :func:`startup_options`) and, per arm, the
+    options switched to (``dspark_`` prefix dropped)."""
     start = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True}
     if ARMS[arms[0]].get("method") == "dflash":
-        start |= {"method": "dflash", "dspark_capacity": "acceptance"}
+        start["dspark_capacity"] = "acceptance"
+    start |= startup_options(arms[0])
     if any(ARMS[arm].get("dspark_plain_steps") for arm in arms):
         start["dspark_plain_steps"] = True  # its one-token decode graphs are captured at start
     if sps_curve:
@@ -417,22 +416,47 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
     for arm in arms:
         # Options an arm leaves out go back to their defaults (dynamic_depth off): naming
         # dynamic_depth for the acceptance arm would be refused, as that mode never reads it.
-        options = ARMS[arm].items()
-        updates = {key.removeprefix("dspark_"): value for key, value in options if key != "method"}
+        updates = {
+            key.removeprefix("dspark_"): value
+            for key, value in ARMS[arm].items()
+            if key not in startup_options(arm)
+        }
         if arm.startswith("sps") and sps_curve:
             updates["sps_curve"] = sps_curve
         switch.append([arm, updates])
     return start, switch
 
 
-def is_shareable_arm(arm: str) -> bool:
-    """A capacity arm whose every option a running engine can switch to (an FP8 head is
-    loaded at start-up)."""
+def startup_options(arm: str) -> dict:
+    """The options of ``arm`` that a running engine cannot switch: the method and what is
+    built at start-up (an FP8 head, a draft vocabulary, FP8 drafter layers)."""
     from vllm_dspark.capacity.control import SWITCHABLE
 
     options = ARMS[arm] or {}
-    keys = {key.removeprefix("dspark_") for key in options if key != "method"}
-    return "dspark_capacity" in options and keys <= SWITCHABLE
+    return {
+        key: value
+        for key, value in options.items()
+        if key.removeprefix("dspark_") not in SWITCHABLE
+    }
+
+
+def engine_runs(arms: list[str], shared_engine: bool, sps_curve: str | None) -> list[list]:
+    """[label, start-up options, switches or None], one per engine, in the order of each
+    engine's first arm. With ``shared_engine``, capacity arms with the same
+    :func:`startup_options` share one engine (two or more of them; one alone runs as
+    itself)."""
+    groups: dict[str, list[str]] = {}
+    for arm in arms:
+        if shared_engine and "dspark_capacity" in (ARMS[arm] or {}):
+            groups.setdefault(json.dumps(startup_options(arm), sort_keys=True), []).append(arm)
+    runs = []
+    for arm in arms:
+        group = next((g for g in groups.values() if arm in g), [arm])
+        if len(group) == 1:
+            runs.append([arm, ARMS[arm], None])
+        elif arm == group[0]:
+            runs.append(["+".join(group), *shared_engine_plan(group, sps_curve)])
+    return runs
 
 
 def check_num_drafts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -515,14 +539,7 @@ def main() -> int:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()), block=args.num_drafts)
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
     arms = args.arms.split(",")
-    shared = [arm for arm in arms if args.shared_engine and is_shareable_arm(arm)]
-    # [label, start-up options, switches], one per engine.
-    runs = [[arm, ARMS[arm], None] for arm in arms if arm not in shared]
-    for method in ("dspark", "dflash"):
-        group = [arm for arm in shared if ARMS[arm].get("method", "dspark") == method]
-        if group:
-            runs.append(["+".join(group), *shared_engine_plan(group, curve)])
-    runs.sort(key=lambda run: arms.index(run[0].split("+")[0]))
+    runs = engine_runs(arms, args.shared_engine, curve)
     if args.bracket:
         runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"

@@ -90,19 +90,40 @@ def test_offline_sweep_arms_build_engine_configs(engine_config, model_dirs, tmp_
         assert config.speculative_config.method == base["method"], arm
 
 
-def test_only_switchable_capacity_arms_share_an_engine():
-    """A shared engine switches capacity options; an FP8 head, a draft vocabulary or an FP8
-    drafter is loaded at start-up, so its arm gets an engine of its own."""
-    from offline_sweep import ARMS, is_shareable_arm
+def test_capacity_arms_share_an_engine_only_with_the_same_start_up_options():
+    """A shared engine switches capacity options; an FP8 head, a draft vocabulary or FP8
+    drafter layers are built at start-up, so only arms that agree on them share one."""
+    from offline_sweep import ARMS, LEAN_DRAFTING, engine_runs, startup_options
 
-    assert is_shareable_arm("sps-depth-plain") and is_shareable_arm("dflash-plain")
-    own_heads = ("-fp8", "-vocab", "-fp8-backbone", "-lean")
-    assert not any(is_shareable_arm(arm) for arm in ARMS if arm.endswith(own_heads))
-    assert not is_shareable_arm("dspark") and not is_shareable_arm("nospec")
-    assert all(
-        is_shareable_arm(arm)
-        for arm in ARMS
-        if arm.startswith("sps") and not arm.endswith(own_heads)
+    assert startup_options("dflash-depth-plain-lean") == {"method": "dflash"} | LEAN_DRAFTING
+    assert startup_options("sps-depth-plain") == {}
+    arms = ["nospec", "dflash", "dflash-depth-plain-lean", "dflash-depth-plain"]
+    arms += ["dflash-lean", "dflash-depth-lean", "dflash-acceptance", "sps", "sps-plain"]
+    runs = engine_runs(arms, shared_engine=True, sps_curve=None)
+    labels = [label for label, _, _ in runs]
+    assert labels == [
+        "nospec",
+        "dflash",
+        "dflash-depth-plain-lean+dflash-depth-lean",
+        "dflash-depth-plain+dflash-acceptance",
+        "dflash-lean",  # fixed depth: no capacity options to switch
+        "sps+sps-plain",
+    ]
+    _, start, switches = runs[2]
+    assert start["method"] == "dflash" and start["dspark_capacity"] == "acceptance"
+    assert start.items() >= LEAN_DRAFTING.items() and start["dspark_plain_steps"]
+    for arm, updates in switches:  # only what a running engine can switch
+        assert "fp8_draft_backbone" not in updates and "draft_vocab" not in updates
+        assert updates["dynamic_depth"] and updates.get("plain_steps", False) == (
+            arm == "dflash-depth-plain-lean"
+        )
+    # Without --shared-engine, and for a capacity arm alone, each arm runs as itself.
+    assert all(switch is None for _, _, switch in engine_runs(arms, False, None))
+    ((label, options, switch),) = engine_runs(["sps-depth-plain-lean"], True, None)
+    assert (label, options, switch) == (
+        "sps-depth-plain-lean",
+        ARMS["sps-depth-plain-lean"],
+        None,
     )
 
 
