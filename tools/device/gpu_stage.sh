@@ -220,11 +220,7 @@ case "$stage" in
     # The acceptance arms share one engine (started with depth graphs and plain steps).
     # Graphs to 2,048 tokens for every arm, as capacity-qwen3: at 94a15b3 (vLLM's 512), 103
     # of dflash-depth's 193 steps at 256 requests (depth 2-3: 768-1,024 tokens) ran eager.
-    # 64 requests a repeat at least: with 16 (one request at a time), DFlash's repeats at one
-    # request spread by 5% (synthetic acceptance; 557-597 tok/s at 757bc32), wider than the
-    # 1% between its arms there.
     timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine --graphs-to 2048 \
-      --min-requests 64 \
       --arms "${3:-nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain}" \
       --concurrency "${4:-1,16,64,256}" --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
       | tee "$OUT/dflash.log" | tail -14
