@@ -45,6 +45,7 @@ SPS_AGAINST_BEST = 0.97  # setup (b): sps over the best other arm, every concurr
 OVERHEAD_LIMIT = 1.03  # admit-everything step over fixed k=7's, 64 requests
 K1_STEP_LIMIT = 1.4  # DSpark k=1 step over no speculation's, 256 requests
 PHASES_TOLERANCE = 0.05  # the breakdown's phases against the measured step
+DFLASH_CONCURRENCIES = (1, 16, 64, 256)  # where the controller must match fixed depth
 CACHED_TTFT = 0.7  # an arm's time to a first token below this share of no speculation's
 # The sweep's confidence-scheduled capacity arms, those of the sps mode (setup (b)'s sps
 # targets hold for the mode if one of its configurations meets them), and its fixed-depth
@@ -224,7 +225,8 @@ def dflash(record: dict) -> dict:
                 arm: repeats[(arm, 256)],
                 "nospec": repeats[("nospec", 256)],
             }
-        passes = min(ratios.values()) >= 1.0 and over_nospec > 1.0
+        every = set(DFLASH_CONCURRENCIES) <= set(concurrencies)
+        passes = every and min(ratios.values()) >= 1.0 and over_nospec > 1.0
         verdicts.append(_verdict(passes, {arm}, {fixed, "nospec"}, cached))
     return {
         "target": "DFlash + acceptance controller >= DFlash fixed at 1/16/64/256, > no "

@@ -108,6 +108,9 @@ def test_a_lean_controller_arm_is_held_to_the_fixed_arm_that_drafts_alike():
     assert entry["passes"] is False
     tok_s[("dflash-depth-plain-lean", 1)] = 103.0
     assert dflash({"rows": sweep_rows("qwen3-8b/rates", tok_s)})["passes"] is True
+    # A run at 256 requests alone cannot show it matches fixed depth at every load.
+    at_256 = {key: value for key, value in tok_s.items() if key[1] == 256}
+    assert dflash({"rows": sweep_rows("qwen3-8b/rates", at_256)})["passes"] is False
 
 
 def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
