@@ -20,6 +20,9 @@ real verification (DSpark arms only), on windows of its held-out text (``--promp
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
 (:mod:`vllm_dspark.engine_control`); their rows name that engine.
+After its timed repeats each concurrency runs the first repeat's first wave once more,
+untimed, and records it step by step (``timeline``: when every request had its first
+token, when half had finished, the last token; :func:`step_timeline`).
 ``--num-drafts`` sets K for every speculating arm (dummy shapes; default 7).
 ``--tensor-parallel-size`` runs every engine on that many GPUs; each speculating row
 then says whether every rank's admissions were identical (``ranks_agree``: the ranks
@@ -43,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -375,6 +380,14 @@ def run_arm_here(spec: dict) -> None:
             )
             per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
             admitted = per_rank[0]
+            # The first repeat's first wave once more, untimed, step by step.
+            with step_timeline(llm) as timeline:
+                offset = concurrency
+                llm.generate(
+                    prompts(concurrency, offset),
+                    seeded_params(spec["output_len"], concurrency, offset),
+                    use_tqdm=False,
+                )
             batches = spec["repeats"] * waves
             row = {
                 "concurrency": concurrency,
@@ -391,6 +404,7 @@ def run_arm_here(spec: dict) -> None:
                 "spec_decode": asdict(counts),
                 "engine_start_s": engine_start_s,
                 "wall_s": round(time.monotonic() - measuring, 1),
+                "timeline": timeline_summary(timeline, concurrency),
             }
             if speculating and len(per_rank) > 1:
                 row["ranks_agree"] = all(counts == admitted for counts in per_rank)
@@ -398,6 +412,58 @@ def run_arm_here(spec: dict) -> None:
             if gate:
                 row["gate"] = gate
             print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
+
+
+@contextmanager
+def step_timeline(llm) -> Iterator[list[list[float]]]:
+    """Every engine step of the ``generate`` calls inside, as the front end receives its
+    outputs: [ms since entry, requests given tokens, tokens, first tokens, requests
+    finished]. Wraps the engine's output processor on this instance only, for the block."""
+    processor = llm.llm_engine.output_processor
+    process, seen, steps = processor.process_outputs, set(), []
+    start = time.perf_counter()
+
+    def record(outputs, *args, **kwargs):
+        firsts = {out.request_id for out in outputs if out.new_token_ids} - seen
+        seen.update(firsts)
+        steps.append(
+            [
+                round((time.perf_counter() - start) * 1e3, 2),
+                len(outputs),
+                sum(len(out.new_token_ids) for out in outputs),
+                len(firsts),
+                sum(out.finished for out in outputs),
+            ]
+        )
+        return process(outputs, *args, **kwargs)
+
+    processor.process_outputs = record
+    try:
+        yield steps
+    finally:
+        del processor.process_outputs  # the class's method again
+
+
+def timeline_summary(steps: list[list[float]], requests: int) -> dict:
+    """Where one batch's time went (:func:`step_timeline`): until every request had its
+    first token (the prefill phase), until half of them had finished, and to the last
+    token; the steps themselves too. A batch lasts as long as its slowest request: the
+    time past half finished is the tail that speculation's uneven progress adds."""
+    firsts = finished = 0
+    first_tokens_ms = half_finished_ms = None
+    for ms, _, _, new_firsts, new_finished in steps:
+        firsts, finished = firsts + new_firsts, finished + new_finished
+        if first_tokens_ms is None and firsts >= requests:
+            first_tokens_ms = ms
+        if half_finished_ms is None and 2 * finished >= requests:
+            half_finished_ms = ms
+    return {
+        "engine_steps": len(steps),
+        "first_tokens_ms": first_tokens_ms,
+        "half_finished_ms": half_finished_ms,
+        "last_token_ms": steps[-1][0] if steps else None,
+        "steps": steps,
+    }
 
 
 def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, list]:

@@ -156,17 +156,30 @@ def fake_llm(monkeypatch):
 
     import vllm
 
+    class FakeOutputProcessor:
+        def process_outputs(self, outputs, *args, **kwargs):
+            return None
+
     class FakeLLM:
         batches: list[list[list[int]]] = []
         params: list = []  # each batch's sampling parameters: one, or one per prompt
 
         def __init__(self, **kwargs):
-            pass
+            self.llm_engine = types.SimpleNamespace(output_processor=FakeOutputProcessor())
 
         def generate(self, prompts, params, use_tqdm=False):
             self.batches.append([p["prompt_token_ids"] for p in prompts])
             self.params.append(params)
             per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+            # One engine step: every request gets all its tokens and finishes.
+            self.llm_engine.output_processor.process_outputs(
+                [
+                    types.SimpleNamespace(
+                        request_id=str(i), new_token_ids=[0] * p.max_tokens, finished=True
+                    )
+                    for i, p in enumerate(per_prompt)
+                ]
+            )
             return [
                 types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * p.max_tokens)])
                 for p in per_prompt
@@ -203,20 +216,72 @@ def test_offline_sweep_reports_the_median_of_fresh_repeats(fake_llm, monkeypatch
     assert row["tok_s_repeats"] == [400.0, 80.0, 44.4]
     assert row["tok_s"] == 80.0
     # Warm-ups (the engine's, its settling pass, the concurrency's: the same prompts as
-    # the settling pass), then three fresh prompt sets.
-    assert len(seen_prompts) == 6 and seen_prompts[1] == seen_prompts[2]
-    first_blocks = [tuple(prompt[:16]) for batch in seen_prompts[2:] for prompt in batch]
+    # the settling pass), then three fresh prompt sets, then the first of them again,
+    # untimed, step by step (its seeds too: the same synthetic draws).
+    assert len(seen_prompts) == 7 and seen_prompts[1] == seen_prompts[2]
+    assert seen_prompts[6] == seen_prompts[3]
+    assert [p.seed for p in fake_llm.params[6]] == [p.seed for p in fake_llm.params[3]]
+    first_blocks = [tuple(prompt[:16]) for batch in seen_prompts[2:6] for prompt in batch]
     first_blocks += [tuple(prompt[:16]) for prompt in seen_prompts[0]]
     assert len(set(first_blocks)) == len(first_blocks)  # nothing a prefix cache could reuse
     # Each measured prompt greedy with a seed of its own, which another arm's run of the
     # same prompts repeats (the synthetic acceptance's common random numbers).
-    measured = fake_llm.params[3:]
+    measured = fake_llm.params[3:6]
     seeds = [[p.seed for p in batch] for batch in measured]
     assert all(p.temperature == 0.0 for batch in measured for p in batch)
     assert len({seed for batch in seeds for seed in batch}) == 3 * 2
     fake_llm.params.clear()
     offline_sweep.run_arm_here(spec)
-    assert [[p.seed for p in batch] for batch in fake_llm.params[3:]] == seeds
+    assert [[p.seed for p in batch] for batch in fake_llm.params[3:6]] == seeds
+
+
+def test_a_batch_timeline_shows_its_prefill_phase_and_its_tail(monkeypatch):
+    import types
+
+    import offline_sweep
+
+    def out(request, tokens, finished=False):
+        return types.SimpleNamespace(
+            request_id=request, new_token_ids=[0] * tokens, finished=finished
+        )
+
+    class Processor:
+        def process_outputs(self, outputs):
+            return len(outputs)
+
+    # Four requests: two prefilled in the first step, two in the second; the first two
+    # finish at the third step, the others at the fifth (a straggler's tail).
+    engine_steps = [
+        [out("a", 1), out("b", 1)],
+        [out("a", 3), out("b", 2), out("c", 1), out("d", 1)],
+        [out("a", 2, True), out("b", 3, True), out("c", 2), out("d", 3)],
+        [out("c", 3), out("d", 2, True)],
+        [out("c", 1, True)],
+    ]
+    llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(output_processor=Processor()))
+    clock = iter([10.0, 10.01, 10.02, 10.03, 10.05, 10.08])
+    monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: next(clock))
+    with offline_sweep.step_timeline(llm) as steps:
+        assert [llm.llm_engine.output_processor.process_outputs(o) for o in engine_steps] == [
+            2,
+            4,
+            4,
+            2,
+            1,
+        ]
+    assert "process_outputs" not in vars(llm.llm_engine.output_processor)  # unwrapped
+    assert [step[1:] for step in steps] == [
+        [2, 2, 2, 0],
+        [4, 7, 2, 0],
+        [4, 10, 0, 2],
+        [2, 5, 0, 1],
+        [1, 1, 0, 1],
+    ]
+    summary = offline_sweep.timeline_summary(steps, requests=4)
+    assert summary["engine_steps"] == 5
+    assert summary["first_tokens_ms"] == pytest.approx(20.0)
+    assert summary["half_finished_ms"] == pytest.approx(30.0)
+    assert summary["last_token_ms"] == pytest.approx(80.0)
 
 
 class FakeEngine:
@@ -371,6 +436,7 @@ def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, ca
     class TwoRankLLM(fake_llm):
         def __init__(self, **kwargs):
             assert kwargs["tensor_parallel_size"] == 2
+            super().__init__(**kwargs)
 
         def collective_rpc(self, method):
             if method.__name__ == "_worker_gate_inputs":
@@ -429,12 +495,12 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
     row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
     # Three warm-ups, then per repeat ceil(5 / 2) = 3 waves of 2 requests, each wave 1 s
     # on the fake clock: 60 tokens in 3 s.
-    assert [len(batch) for batch in batches] == [8, 2, 2] + [2] * 6
+    assert [len(batch) for batch in batches] == [8, 2, 2] + [2] * 6 + [2]  # + the timeline
     assert row["tok_s_repeats"] == [20.0, 20.0]
     # Every prompt is a 100-token window of the held-out text, none starting alike.
     stream = [token for prompt in load_prompts(num_prompts=None) for token in prompt]
     text = " ".join(map(str, stream))
-    timed = [prompt for batch in batches[2:] for prompt in batch]
+    timed = [prompt for batch in batches[2:-1] for prompt in batch]
     assert all(len(p) == 100 and " ".join(map(str, p)) in text for p in timed)
     assert len({tuple(p[:16]) for p in timed}) == len(timed)
 
@@ -646,9 +712,9 @@ def test_an_engine_settles_over_every_concurrency_before_it_measures(fake_llm, m
         "switch": None,
     }
     offline_sweep.run_arm_here(spec)
-    # The engine's warm-up, the settling pass, then per concurrency a short warm-up and
-    # one measured batch.
-    assert [len(batch) for batch in fake_llm.batches] == [8, 1, 3, 1, 1, 3, 3]
+    # The engine's warm-up, the settling pass, then per concurrency a short warm-up, one
+    # measured batch and its untimed timeline.
+    assert [len(batch) for batch in fake_llm.batches] == [8, 1, 3, 1, 1, 1, 3, 3, 3]
 
 
 def test_the_capacity_ceiling_admits_what_pays_and_only_that():
