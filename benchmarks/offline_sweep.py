@@ -424,17 +424,18 @@ def step_timeline(llm) -> Iterator[list[list[float]]]:
     start = time.perf_counter()
 
     def record(outputs, *args, **kwargs):
-        firsts = {out.request_id for out in outputs if out.new_token_ids} - seen
-        seen.update(firsts)
-        steps.append(
-            [
-                round((time.perf_counter() - start) * 1e3, 2),
-                len(outputs),
-                sum(len(out.new_token_ids) for out in outputs),
-                len(firsts),
-                sum(out.finished for out in outputs),
-            ]
-        )
+        if outputs:  # not a message that carries only statistics
+            firsts = {out.request_id for out in outputs if out.new_token_ids} - seen
+            seen.update(firsts)
+            steps.append(
+                [
+                    round((time.perf_counter() - start) * 1e3, 2),
+                    len(outputs),
+                    sum(len(out.new_token_ids) for out in outputs),
+                    len(firsts),
+                    sum(out.finished for out in outputs),
+                ]
+            )
         return process(outputs, *args, **kwargs)
 
     processor.process_outputs = record

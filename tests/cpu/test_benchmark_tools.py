@@ -257,6 +257,7 @@ def test_a_batch_timeline_shows_its_prefill_phase_and_its_tail(monkeypatch):
         [out("a", 2, True), out("b", 3, True), out("c", 2), out("d", 3)],
         [out("c", 3), out("d", 2, True)],
         [out("c", 1, True)],
+        [],  # statistics only: no step
     ]
     llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(output_processor=Processor()))
     clock = iter([10.0, 10.01, 10.02, 10.03, 10.05, 10.08])
@@ -268,6 +269,7 @@ def test_a_batch_timeline_shows_its_prefill_phase_and_its_tail(monkeypatch):
             4,
             2,
             1,
+            0,
         ]
     assert "process_outputs" not in vars(llm.llm_engine.output_processor)  # unwrapped
     assert [step[1:] for step in steps] == [
