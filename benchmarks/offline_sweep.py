@@ -380,9 +380,10 @@ def run_arm_here(spec: dict) -> None:
             )
             per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
             admitted = per_rank[0]
-            # The first repeat's first wave once more, untimed, step by step.
+            # The first repeat's first wave once more (its prompts and seeds), untimed and
+            # outside the counters, step by step.
             with step_timeline(llm) as timeline:
-                offset = concurrency
+                offset = concurrency  # repeat 0, wave 0
                 llm.generate(
                     prompts(concurrency, offset),
                     seeded_params(spec["output_len"], concurrency, offset),
