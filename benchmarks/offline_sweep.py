@@ -484,10 +484,11 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
     for arm in arms:
         # Options an arm leaves out go back to their defaults (dynamic_depth off): naming
         # dynamic_depth for the acceptance arm would be refused, as that mode never reads it.
+        fixed = startup_options(arm)
         updates = {
             key.removeprefix("dspark_"): value
             for key, value in ARMS[arm].items()
-            if key not in startup_options(arm)
+            if key not in fixed
         }
         if arm.startswith("sps") and sps_curve:
             updates["sps_curve"] = sps_curve

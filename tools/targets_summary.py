@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # offline_sweep
-from offline_sweep import ARMS  # noqa: E402
+from offline_sweep import ARMS, startup_options  # noqa: E402
 
 from vllm_dspark.config import CONFIDENCE_MODES  # noqa: E402
 
@@ -173,28 +173,13 @@ def depth_gain(record: dict) -> dict:
     }
 
 
-# Options of the acceptance-length controller (what a controller arm adds to fixed depth).
-CONTROLLER_KEYS = {
-    "dspark_capacity",
-    "dspark_varlen_verify",
-    "dspark_dynamic_depth",
-    "dspark_plain_steps",
-}
-
-
 def fixed_counterpart(arm: str) -> str | None:
-    """The fixed-depth DFlash arm that drafts as ``arm`` does (same drafter options, no
-    controller): the like-for-like rival of a controller arm, whose drafting cuts would
-    otherwise count as the controller's gain."""
-    drafting = {key: value for key, value in ARMS[arm].items() if key not in CONTROLLER_KEYS}
-    return next(
-        (
-            name
-            for name, options in ARMS.items()
-            if options == drafting and not (options.keys() & CONTROLLER_KEYS)
-        ),
-        None,
-    )
+    """The fixed-depth DFlash arm that drafts as ``arm`` does: the one whose options are
+    ``arm``'s start-up options alone (method and drafting cuts, no capacity control), the
+    like-for-like rival of a controller arm, whose drafting cuts would otherwise count as
+    the controller's gain."""
+    drafting = startup_options(arm)
+    return next((name for name, options in ARMS.items() if options == drafting), None)
 
 
 def dflash(record: dict) -> dict:
