@@ -2,7 +2,8 @@
 
 The option leaves vLLM's configs alone; once the draft has loaded, the plugin converts the
 linear layers of its decoder layers (vllm_dspark.draft_fp8). On the CPU the FP8 product
-runs through the dequantised operands; tests/gpu/test_pair_arms_gpu.py runs the GPU path."""
+runs through the dequantised operands; tests/gpu/test_draft_fp8_gpu.py and
+tests/gpu/test_pair_arms_gpu.py run the GPU path."""
 
 from types import SimpleNamespace
 
