@@ -325,6 +325,14 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
     calibrated_synthetic._speculator = None
 
 
+def position_record(num_verified: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """What a verified step records for the acceptance controller (its
+    ``Verification.position_counts``)."""
+    from vllm_dspark.capacity.acceptance import position_counts
+
+    return torch.cat(position_counts(num_verified, num_accepted, K)).float()
+
+
 def verify_geometric(depth, num_reqs, rate, gen):
     """One step of requests verifying ``depth`` drafts each, each draft accepted with
     probability ``rate`` given the ones before: (drafts verified, drafts accepted)."""
@@ -412,7 +420,7 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
     # Three decode requests verified 7 drafts each and accepted 1, 0 and 2; a prefill had
     # none. Survival (2/3, 1/3, 0, ...): the length rule wants floor(1 + 1.5) = 2.
     batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 8, 16, 24, 25]))
-    counts = verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3, 1]))
+    counts = position_record(*verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3, 1])))
     # sps_curve=auto on this CPU platform, which captures no CUDA graph to profile (as
     # enforce_eager on a GPU): acceptance is not refused, it follows the length rule.
     length_rule = speculator()
@@ -429,18 +437,23 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
         budgets = []
         for _ in range(3):
             budgets.append(control.admission_budget(3))
-            control.record_verification(*counts)
+            control.record_verification(counts)
         assert budgets == [3 * depth for depth in expected]
         depths = control.verify_capacity(torch.tensor([4, 0, 9]), budgets[-1])
         assert depths.tolist() == [expected[-1]] * 3
     # Fitting the step's overhead, one step in EXPLORE_EVERY verifies half the depth: still
-    # one depth for every request.
-    from vllm_dspark.capacity.control import EXPLORE_EVERY
+    # one depth for every request. Steps of fewer than EXPLORE_MIN_DRAFTS drafts never do,
+    # nor count toward the next that does.
+    from vllm_dspark.capacity.control import EXPLORE_EVERY, EXPLORE_MIN_DRAFTS
 
     flat = speculator(dspark_sps_curve=[[1, 100.0], [64, 100.0]])
     assert flat.step_overhead.measuring
-    budgets = [flat.admission_budget(3) for _ in range(EXPLORE_EVERY)]
-    assert budgets == [3 * K] * (EXPLORE_EVERY - 1) + [3 * (K // 2)]
+    small = EXPLORE_MIN_DRAFTS // K
+    assert small * K < EXPLORE_MIN_DRAFTS <= (small + 1) * K
+    budgets = [flat.admission_budget(small) for _ in range(2 * EXPLORE_EVERY)]
+    assert budgets == [small * K] * (2 * EXPLORE_EVERY)
+    budgets = [flat.admission_budget(small + 1) for _ in range(EXPLORE_EVERY)]
+    assert budgets == [(small + 1) * K] * (EXPLORE_EVERY - 1) + [(small + 1) * (K // 2)]
 
 
 def test_acceptance_ranks_fed_alike_pick_alike(plugin_speculator):
@@ -454,9 +467,9 @@ def test_acceptance_ranks_fed_alike_pick_alike(plugin_speculator):
         decisions = [rank.admission_budget(num_reqs) for rank in ranks]
         assert decisions[0] == decisions[1], step
         depths.append(decisions[0] // num_reqs)
-        counts = verify_geometric(depths[-1], num_reqs, 0.7, gen)
+        counts = position_record(*verify_geometric(depths[-1], num_reqs, 0.7, gen))
         for rank in ranks:
-            rank.record_verification(*counts)
+            rank.record_verification(counts)
     assert len(set(depths)) > 1
 
 

@@ -173,6 +173,8 @@ def test_a_shallow_dflash_proposal_samples_only_the_positions_it_will_verify(pro
 def test_acceptance_with_dynamic_depth_drafts_the_depth_the_next_step_verifies(
     plugin_speculator,
 ):
+    from test_compact_verification import position_record
+
     from vllm_dspark.capacity.allocation import verification_counts
 
     speculator = plugin_speculator(
@@ -186,12 +188,12 @@ def test_acceptance_with_dynamic_depth_drafts_the_depth_the_next_step_verifies(
     )
     assert speculator.physical_depth is None  # the acceptance controller sets the depth
     batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 8, 16, 24]))
-    counts = verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3]))
+    counts = position_record(*verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3])))
     planned = []
     for _ in range(3):
         planned.append(speculator.proposal_depth(3))
         speculator.draft_depth = planned[-1]  # as _plan_depth does with depth graphs
-        speculator.record_verification(*counts)
+        speculator.record_verification(counts)
         # The step after verifies just the depth drafted, however often it asks.
         assert speculator.admission_budget(3) == speculator.admission_budget(3) == 3 * planned[-1]
     assert planned == [1, 1, 1]

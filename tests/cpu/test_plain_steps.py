@@ -517,11 +517,15 @@ def test_placeholders_a_proposal_did_not_compute_are_not_counted_as_rejections(
     batch = SimpleNamespace(num_reqs=4, cu_num_logits=torch.tensor([0, 4, 8, 12, 13]))
     num_sampled = torch.tensor([4, 2, 1, 1])  # accepted K, 1 and 0
     speculator.drafted_last = False
-    verified, accepted = speculator.drafted_verification(batch, num_sampled)
+    verified, accepted, counts = speculator.drafted_verification(batch, num_sampled)
     assert verified.tolist() == accepted.tolist() == [0, 0, 0, 0]
+    assert counts.tolist() == [0.0] * 2 * K
     speculator.drafted_last, speculator.draft_depth = True, 2
-    verified, accepted = speculator.drafted_verification(batch, num_sampled)
+    verified, accepted, counts = speculator.drafted_verification(batch, num_sampled)
     assert verified.tolist() == [2, 2, 2, 0] and accepted.tolist() == [2, 1, 0, 0]
+    # Position 1 reached by all three (accepted by 2), position 2 by two (accepted by 1),
+    # none beyond the depth.
+    assert counts.tolist() == [3, 2, 0, 2, 1, 0]
     # Through the controller: after skipped proposals, the survivals stay what they were.
     speculator.drafted_last = False
     for _ in range(3):

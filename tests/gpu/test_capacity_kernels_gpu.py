@@ -1,7 +1,7 @@
 """On a GPU: the capacity-control kernels compute what their PyTorch definitions say (the
 CPU suite checks the same under Triton's interpreter): the compaction of a verification
-batch, and each proposal's statistics; and proposals' survivals reach the host intact
-through pinned memory without a sync."""
+batch, each proposal's statistics and each verified step's counts; and proposals'
+survivals reach the host intact through pinned memory without a sync."""
 
 import sys
 from pathlib import Path
@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
 from test_compaction_kernel import NUM_REQS, check_kernel_against_layout  # noqa: E402
 from test_physical_depth import check_snapshots  # noqa: E402
 from test_proposal_kernel import CASES, check_kernel_against_definitions  # noqa: E402
+from test_verification_kernel import CASES as VERIFIED_STEPS  # noqa: E402
+from test_verification_kernel import check_kernel_against_definition  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +27,11 @@ def test_compaction_kernel_matches_the_pytorch_layout(num_reqs):
 @pytest.mark.parametrize("case", CASES)
 def test_proposal_kernel_matches_the_definitions(case):
     check_kernel_against_definitions(case, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("case", VERIFIED_STEPS)
+def test_verification_kernel_matches_the_definition(case):
+    check_kernel_against_definition(case, torch.device("cuda"))
 
 
 def test_survival_snapshots_reach_the_host_as_taken():

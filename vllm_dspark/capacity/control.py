@@ -28,7 +28,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth, position_counts
+from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth
 from vllm_dspark.capacity.allocation import (
     UNCOMPUTED_SURVIVAL,
     admission_budget,
@@ -39,7 +39,6 @@ from vllm_dspark.capacity.allocation import (
     sps_best_count,
     sps_table_from_curve,
     threshold_count,
-    verification_counts,
 )
 from vllm_dspark.capacity.draft_gate import (
     SURVIVAL_MEMORY,
@@ -54,6 +53,11 @@ from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshots
 from vllm_dspark.capacity.step_overhead import StepOverhead
+from vllm_dspark.capacity.verification_kernel import (
+    Verification,
+    drafted_counts,
+    verification_stats,
+)
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
 from vllm_dspark.triton_path import use_triton
 
@@ -68,6 +72,14 @@ _FINGERPRINT_MUL = 1_000_003
 
 # sps measuring its overhead: one step in this many verifies half its admitted drafts.
 EXPLORE_EVERY = 64
+# ... counting only steps that verify at least this many drafts. Below it the time per
+# draft b cannot move a decision, so a varied step only loses tokens: leaving out the last
+# position of R < 32 / d requests saves R b, about 1% of a Qwen3-8B decode step at d = 7
+# even at the largest b any run has fitted (20 us, DFlash, H200), against the position's
+# survival, 3.5% of the step's tokens (DFlash at one request, cfb33fa, H100: there 26
+# varied steps in 1,628 left out 104 drafts, and the acceptance controller ran 0.995x
+# fixed depth).
+EXPLORE_MIN_DRAFTS = 32
 
 # Options a running engine can switch (benchmarks compare capacity arms in one engine);
 # what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
@@ -357,13 +369,13 @@ class CapacityControl:
         self.observe_step(input_batch.num_reqs)
 
     def _observe_verification(self, input_batch, num_sampled: torch.Tensor) -> None:
-        """The step's verified and accepted drafts per request, for the acceptance
-        controller and :meth:`_observe_drafted`."""
+        """The step's verified and accepted drafts, per position for the acceptance
+        controller and per request for :meth:`_observe_drafted`."""
         if not self._reads_verification:
             return
-        num_verified, num_accepted = self.drafted_verification(input_batch, num_sampled)
-        self.record_verification(num_verified, num_accepted)
-        self._observe_drafted(input_batch, num_verified, num_accepted)
+        verification = self.drafted_verification(input_batch, num_sampled)
+        self.record_verification(verification.position_counts)
+        self._observe_drafted(input_batch, verification.num_verified, verification.num_accepted)
 
     @property
     def _reads_verification(self) -> bool:
@@ -376,18 +388,21 @@ class CapacityControl:
         """Per request of the step that just ran: its drafts verified and accepted (for a
         speculator's own readers)."""
 
-    def drafted_verification(
-        self, input_batch, num_sampled: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per request of the step that just ran: (drafts verified, accepted), counting
-        only drafts its proposal computed. A step vLLM verifies uncompacted (a prefill
-        chunk in the batch, logprobs) verifies all K positions, also the placeholders of a
-        proposal the draft gate skipped or of positions past its depth, which are no
-        drafts: counted, they would read as rejections (an acceptance gate closed by them
-        reopens only through its probes) and skew calibration and online STS."""
-        num_verified, num_accepted = verification_counts(input_batch.cu_num_logits, num_sampled)
-        num_verified = num_verified.clamp(max=self.draft_depth if self.drafted_last else 0)
-        return num_verified, torch.minimum(num_accepted, num_verified)
+    def drafted_verification(self, input_batch, num_sampled: torch.Tensor) -> Verification:
+        """What the step that just ran verified and accepted, per request and per position,
+        counting only drafts its proposal computed. A step vLLM verifies uncompacted (a
+        prefill chunk in the batch, logprobs) verifies all K positions, also the
+        placeholders of a proposal the draft gate skipped or of positions past its depth,
+        which are no drafts: counted, they would read as rejections (an acceptance gate
+        closed by them reopens only through its probes) and skew calibration and online
+        STS. On a GPU one kernel computes it all (:mod:`verification_kernel`)."""
+        depth, num_drafts = self.draft_depth if self.drafted_last else 0, self.num_speculative_steps
+        cu_num_logits = input_batch.cu_num_logits
+        if use_triton(num_sampled):
+            return verification_stats(
+                cu_num_logits, num_sampled, depth, num_drafts, self.max_num_reqs
+            )
+        return drafted_counts(cu_num_logits, num_sampled, depth, num_drafts)
 
     def observe_step(self, num_reqs: int) -> None:
         """At a real proposal, for ``sps``: the step that just ran is one sample of the
@@ -431,13 +446,14 @@ class CapacityControl:
             dynamic = self.options.dynamic_depth
             depth = self.draft_depth if dynamic else self._acceptance_depth(num_reqs)
             # Varied per request, so that every request still verifies the same depth.
-            return num_reqs * (self._vary_admission(depth) if measuring else depth)
+            varied = self._vary_admission(depth, num_reqs * depth) if measuring else depth
+            return num_reqs * varied
         if self.stale_budget is None:
             return cap
         wanted = round(self.stale_budget.per_request() * num_reqs)
         # At least one draft: a compacted step always has drafts to verify.
         budget = max(1, min(cap, wanted))
-        return self._vary_admission(budget) if measuring else budget
+        return self._vary_admission(budget, budget) if measuring else budget
 
     def proposal_depth(self, num_reqs: int) -> int:
         """Before a real proposal: the positions it computes. With dynamic depth, DSpark's
@@ -489,15 +505,18 @@ class CapacityControl:
             totals, num_drafts = counts.per_request(), self.num_speculative_steps
             self.acceptance.observe(totals[:num_drafts], totals[num_drafts:])
 
-    def _vary_admission(self, budget: int) -> int:
-        """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY
-        verifies the better half of its admission only (of its depth, for acceptance).
-        Steps that all verify the same number of drafts (an admission that has settled)
-        cannot tell the per-draft time from the per-step time (``step_overhead``); this
-        step can, for the price of its less likely half of the drafts. A function of the
-        step count alone: lossless, and the same on every rank."""
+    def _vary_admission(self, budget: int, drafts: int) -> int:
+        """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY of
+        those verifying ``drafts`` >= EXPLORE_MIN_DRAFTS verifies the better half of its
+        admission only (of its depth, for acceptance). Steps that all verify the same
+        number of drafts (an admission that has settled) cannot tell the per-draft time
+        from the per-step time (``step_overhead``); this step can, for the price of its
+        less likely half of the drafts. A function of the step count and the batch size
+        alone: lossless, and the same on every rank."""
+        if drafts < EXPLORE_MIN_DRAFTS or budget < 2:
+            return budget
         self.steps_since_varied += 1
-        if self.steps_since_varied < EXPLORE_EVERY or budget < 2:
+        if self.steps_since_varied < EXPLORE_EVERY:
             return budget
         self.steps_since_varied = 0
         return budget // 2
@@ -600,13 +619,12 @@ class CapacityControl:
         pending, self.pending_admission = self.pending_admission, None
         return pending
 
-    def record_verification(self, num_verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """After a real step's verification (:func:`verification_counts`): its counts per
-        position, for the acceptance controller."""
+    def record_verification(self, position_counts: torch.Tensor) -> None:
+        """After a real step's verification: its (reached, accepted) counts per position
+        (:attr:`Verification.position_counts`), for the acceptance controller."""
         if self.acceptance is None:
             return
-        reached, accepted = position_counts(num_verified, num_accepted, self.num_speculative_steps)
-        self.stale_position_counts.record(torch.cat([reached, accepted]).float(), 1)
+        self.stale_position_counts.record(position_counts, 1)
 
     def record_proposal(self, survival: torch.Tensor, slots: torch.Tensor | None = None) -> None:
         """After a real proposal (``slots``: its rows' request slots): how many of its drafts
