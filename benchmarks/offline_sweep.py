@@ -187,10 +187,15 @@ def capture_sizes(graphs_to: int) -> list[int]:
 
 
 def engine_kwargs(
-    target: str, dummy: bool = True, graphs_to: int | None = None, tensor_parallel_size: int = 1
+    target: str,
+    dummy: bool = True,
+    graphs_to: int | None = None,
+    tensor_parallel_size: int = 1,
+    max_num_batched_tokens: int | None = None,
 ) -> dict:
     """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
-    capture CUDA graphs up to that many tokens per step instead of vLLM's 512."""
+    capture CUDA graphs up to that many tokens per step instead of vLLM's 512;
+    ``max_num_batched_tokens``: vLLM's (default: its own, 16,384 offline on an H100/H200)."""
     kwargs = dict(
         model=target,
         tensor_parallel_size=tensor_parallel_size,
@@ -210,6 +215,8 @@ def engine_kwargs(
     )
     if graphs_to:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(graphs_to)}
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     return kwargs
 
 
@@ -309,6 +316,7 @@ def run_arm_here(spec: dict) -> None:
             spec["dummy"],
             spec.get("graphs_to"),
             spec.get("tensor_parallel_size", 1),
+            spec.get("max_num_batched_tokens"),
         ),
         speculative_config=speculative,
     )
@@ -586,6 +594,14 @@ def main() -> int:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="vLLM's max_num_batched_tokens for every arm (default: vLLM's). Speculation "
+        "holds (K - 1) x max_num_seqs of it for drafting slots, so a speculating arm "
+        "schedules that much less per step (14,848 of 16,384 at K=7, 256 sequences); "
+        "16,384 + 1,536 = 17,920 keeps 16,384",
+    )
+    parser.add_argument(
         "--bracket",
         action="store_true",
         help="run the first engine again after the others: its two runs' rows (bracket "
@@ -638,6 +654,7 @@ def main() -> int:
             "min_requests": args.min_requests,
             "prompts": args.prompts or ("heldout" if args.pair == "embedded" else "arithmetic"),
             "tensor_parallel_size": args.tensor_parallel_size,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
         }
         context = {"setup": setup, "arm": label, **({"engine": label} if switch else {}), **bracket}
         keep = functools.partial(keep_row, rows, failed, args.out, context)

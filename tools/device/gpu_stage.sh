@@ -28,7 +28,8 @@
 #            run to its end there), is longer than one call: run it from
 #            tools/device/queue.sh, first in a session. Every row is kept as it comes, so
 #            a cut run keeps what ran. Third and fourth arguments: other arms (e.g.
-#            sps-depth; sps-depth-plain-fp8, an engine of its own), other concurrencies
+#            sps-depth; sps-depth-plain-fp8, an engine of its own), other concurrencies;
+#            a fifth, max_num_batched_tokens for every arm (as dflash)
 #   fixed-k  no speculation against stock DSpark with K drafts (third argument, default 3),
 #            CUDA graphs to the fourth argument's tokens (default 1024), Qwen3-8B shape,
 #            end to end (vLLM; two engines, ~8 min: from the queue); a fifth argument
@@ -55,7 +56,8 @@
 #   dflash   DFlash fixed k=7 against its acceptance-length controller (without and with
 #            dynamic depth and plain steps, one shared engine) and no speculation, Qwen3-8B
 #            shape, vLLM's synthetic acceptance, graphs to 2,048 tokens (vLLM; three
-#            engines, ~10 min); third and fourth arguments: other arms, other concurrencies
+#            engines, ~10 min); third and fourth arguments: other arms, other concurrencies;
+#            a fifth, max_num_batched_tokens for every arm (e.g. 17920: see offline_sweep.py)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
@@ -152,6 +154,7 @@ case "$stage" in
       --arms "${3:-nospec,sps-depth-plain,sps-plain,sps,budget,threshold,dspark,dynamic-sd}" \
       --shared-engine \
       --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" --out "$OUT/$stage.json" \
+      ${5:+--max-num-batched-tokens "$5"} \
       2>&1 | quiet \
       | tee "$OUT/$stage.log" | tail -30
     ;;
@@ -222,7 +225,8 @@ case "$stage" in
     # of dflash-depth's 193 steps at 256 requests (depth 2-3: 768-1,024 tokens) ran eager.
     timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine --graphs-to 2048 \
       --arms "${3:-nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain}" \
-      --concurrency "${4:-1,16,64,256}" --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
+      --concurrency "${4:-1,16,64,256}" ${5:+--max-num-batched-tokens "$5"} \
+      --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
       | tee "$OUT/dflash.log" | tail -14
     ;;
   sts)

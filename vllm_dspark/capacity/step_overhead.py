@@ -30,7 +30,8 @@ prefill step in between), join decayed least-squares sums over the last few wind
 which O, a, b and S are fitted (a small ridge keeps a slope at 0 where its variable never
 varied; none is negative: S stays 0 until the gate has skipped). An
 admission that settles stays the same step after step, which cannot tell b from O, so
-capacity control verifies half of it now and then (``control.EXPLORE_EVERY``). The host
+capacity control verifies half of it now and then (``control.EXPLORE_EVERY``, on steps
+verifying at least ``control.EXPLORE_MIN_DRAFTS``, where b can matter). The host
 clock differs between tensor-parallel ranks, so each window's (O, a, b, S) is reduced to the
 largest over ranks on the device and read one window later (its copy long done): every
 rank plans with the same values, as the admission must be identical on every rank.
