@@ -511,7 +511,7 @@ class CapacityControl:
         admission only (of its depth, for acceptance). Steps that all verify the same
         number of drafts (an admission that has settled) cannot tell the per-draft time
         from the per-step time (``step_overhead``); this step can, for the price of its
-        less likely half of the drafts. A function of the step count and the batch size
+        less likely half of the drafts. A function of the step count and the step's drafts
         alone: lossless, and the same on every rank."""
         if drafts < EXPLORE_MIN_DRAFTS or budget < 2:
             return budget
