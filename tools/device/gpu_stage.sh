@@ -57,7 +57,7 @@
 #            dynamic depth and plain steps, one shared engine) and no speculation, Qwen3-8B
 #            shape, vLLM's synthetic acceptance, graphs to 2,048 tokens (vLLM; three
 #            engines, ~10 min); third and fourth arguments: other arms, other concurrencies;
-#            a fifth, max_num_batched_tokens for every arm (e.g. 17920: see offline_sweep.py)
+#            a fifth, max_num_batched_tokens for every arm (e.g. 20480: see offline_sweep.py)
 #   sts      online STS from temperature 1 on the embedded pair, then the held-out
 #            prompts against no speculation (vLLM; two engines, float32)
 #   hardening  the GPU tests that time nothing, at once on one GPU (each engine gets a
