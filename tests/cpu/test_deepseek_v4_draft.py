@@ -139,3 +139,31 @@ def test_temperatures_come_from_the_option_else_the_checkpoints_calibration(tmp_
     assert resolve_temperatures([2.0] * K, str(tmp_path), K, "cpu").tolist() == [2.0] * K
     with pytest.raises(DSparkOptionError, match="has 7 values; num_speculative_tokens=8"):
         resolve_temperatures(None, str(tmp_path), 8, "cpu")
+
+
+def test_a_hub_checkpoint_is_fetched_once_per_file_set(tmp_path, monkeypatch):
+    """The head's config and its temperatures read one snapshot of the checkpoint's JSON
+    files; its tensors, one of the shard that holds them."""
+    import huggingface_hub
+
+    from vllm_dspark.capacity.confidence import (
+        CALIBRATION_FILE,
+        ConfidenceHead,
+        resolve_temperatures,
+    )
+
+    weight = torch.randn(1, HIDDEN + RANK)
+    write_sharded(tmp_path, {"b.safetensors": {"mtp.0.confidence_head.weight": weight}})
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"temperatures": [1.25] * K}))
+    fetched = []
+
+    def snapshot_download(model, allow_patterns, cache_dir):
+        fetched.append((model, tuple(allow_patterns)))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = f"org/draft-{tmp_path.name}"  # a Hub id no other test fetched
+    head = ConfidenceHead.from_checkpoint(model, HIDDEN + RANK, K, "cpu")
+    temperatures = resolve_temperatures(None, model, K, "cpu")
+    assert torch.equal(head.weight.data, weight) and temperatures.tolist() == [1.25] * K
+    assert fetched == [(model, ("*.json",)), (model, ("b.safetensors",))]

@@ -21,6 +21,7 @@ else are 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -62,15 +63,22 @@ def draft_statistics(top1: torch.Tensor, logprob: bool, miss_logprob: bool) -> t
     return torch.stack(parts, dim=-1) if parts else top1.new_zeros((*top1.shape, 0))
 
 
-def _checkpoint_files(model: str, patterns: list[str], download_dir: str | None) -> Path:
+# JSON files: the config, the shard index and the calibration file. One pattern for all,
+# so that the head and its temperatures share one snapshot (and one Hub request).
+JSON_FILES = ("*.json",)
+
+
+@functools.cache
+def _checkpoint_files(model: str, patterns: tuple[str, ...], download_dir: str | None) -> Path:
     """The checkpoint's folder holding the files ``patterns`` match: the folder itself, or
-    a Hub snapshot of just those files (in vLLM's download_dir where one is set)."""
+    a Hub snapshot of just those files (in vLLM's download_dir where one is set), fetched
+    once per process."""
     path = Path(model)
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, allow_patterns=patterns, cache_dir=download_dir))
+    return Path(snapshot_download(model, allow_patterns=list(patterns), cache_dir=download_dir))
 
 
 def _confidence_tensors(
@@ -83,10 +91,10 @@ def _confidence_tensors(
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         shards = sorted({f for n, f in weight_map.items() if TENSOR_NAME.fullmatch(n)})
-        directory = _checkpoint_files(model, shards, download_dir) if shards else directory
+        directory = _checkpoint_files(model, tuple(shards), download_dir) if shards else directory
         files = [directory / shard for shard in shards]
     else:
-        directory = _checkpoint_files(model, ["*.safetensors"], download_dir)
+        directory = _checkpoint_files(model, ("*.safetensors",), download_dir)
         files = sorted(directory.glob("*.safetensors"))
     tensors, names = {}, {}
     for file in files:
@@ -152,7 +160,7 @@ class ConfidenceHead(torch.nn.Module):
         device: torch.device,
         download_dir: str | None = None,
     ):
-        directory = _checkpoint_files(model, ["*.json"], download_dir)
+        directory = _checkpoint_files(model, JSON_FILES, download_dir)
         config = json.loads((directory / "config.json").read_text())
         draft_logprob = bool(config.get(DRAFT_LOGPROB_KEY, False))
         draft_miss_logprob = bool(config.get(DRAFT_MISS_LOGPROB_KEY, False))
@@ -195,7 +203,7 @@ def resolve_temperatures(
     """Per-position temperatures [K]: the option, else the checkpoint's, else ones."""
     temperatures = configured
     if temperatures is None:
-        directory = _checkpoint_files(model, [CALIBRATION_FILE], download_dir)
+        directory = _checkpoint_files(model, JSON_FILES, download_dir)
         calibration = directory / CALIBRATION_FILE
         if calibration.is_file():
             temperatures = json.loads(calibration.read_text())["temperatures"]
