@@ -27,14 +27,16 @@ def _gpu_checks() -> list[Check]:
 
     if not torch.cuda.is_available():
         return [Check("CUDA GPU", False, "none found: DSpark needs an NVIDIA GPU")]
+    from vllm_dspark.head.draft_heads import MIN_FP8_CAPABILITY
+
     name = torch.cuda.get_device_name(0)
     major, minor = torch.cuda.get_device_capability(0)
     checks = [
         Check("CUDA GPU", True, f"{name}, compute capability {major}.{minor}"),
-        # e4m3 tensor-core matmuls start with Ada (8.9) and Hopper (9.0).
+        # The capability the FP8 options check at start-up (check_fp8_supported).
         Check(
             "FP8 (e4m3)",
-            (major, minor) >= (8, 9),
+            (major, minor) >= MIN_FP8_CAPABILITY,
             "needed by dspark_fp8_draft_head, _markov_head and _draft_backbone",
         ),
     ]
