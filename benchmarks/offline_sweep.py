@@ -171,6 +171,11 @@ ARMS = {
     "dflash-depth-plain-lean": DFLASH_DEPTH_PLAIN | LEAN_DRAFTING,
     # ... without plain steps (with --shared-engine, one engine for both: same cuts).
     "dflash-depth-lean": DFLASH_DEPTH | LEAN_DRAFTING,
+    # dflash-lean's fixed depth switched to in the controller's engine (--shared-engine):
+    # at 1 and 16 requests engines of their own differed by as much as the controller
+    # could (47bc5ae, H200: a first token 16.9 against 19.7 ms on average at one request,
+    # with equal steps); in one engine the arms differ in the controller alone.
+    "dflash-fixed-lean": {"method": "dflash", "dspark_capacity": "off"} | LEAN_DRAFTING,
 }
 
 

@@ -173,23 +173,35 @@ def depth_gain(record: dict) -> dict:
     }
 
 
-def fixed_counterpart(arm: str) -> str | None:
+def fixed_counterpart(arm: str, engines: dict[str, str | None] | None = None) -> str | None:
     """The fixed-depth DFlash arm that drafts as ``arm`` does: the one whose options are
     ``arm``'s start-up options alone (method and drafting cuts, no capacity control), the
     like-for-like rival of a controller arm, whose drafting cuts would otherwise count as
-    the controller's gain."""
+    the controller's gain. With ``engines`` ({arm: the shared engine it ran in}), the one
+    switched to in ``arm``'s own engine (the same options, capacity off) comes first: there
+    the arms differ in the controller alone, where engines of their own differed at one
+    request by as much as the controller could (47bc5ae, H200)."""
     drafting = startup_options(arm)
-    return next((name for name, options in ARMS.items() if options == drafting), None)
+    switched = _arm_with(drafting | {"dspark_capacity": "off"})
+    engine = (engines or {}).get(arm)
+    if switched is not None and engine is not None and (engines or {}).get(switched) == engine:
+        return switched
+    return _arm_with(drafting)
+
+
+def _arm_with(options: dict) -> str | None:
+    return next((name for name, arm_options in ARMS.items() if arm_options == options), None)
 
 
 def dflash(record: dict) -> dict:
     """Each acceptance-controller arm the run has (``dflash-*`` with
     ``dspark_capacity=acceptance``: without and with dynamic depth, plain steps and
-    drafting cuts) against the fixed-depth arm that drafts alike (:func:`fixed_counterpart`)
-    and no speculation, with both arms' repeats at 256 where recorded; the target passes if
-    one arm meets all of it."""
+    drafting cuts) against the fixed-depth arm that drafts alike (:func:`fixed_counterpart`:
+    in its own engine where the run switched to it there) and no speculation, with both
+    arms' repeats at 256 where recorded; the target passes if one arm meets all of it."""
     tok_s, cached = _tok_s(record["rows"]), cached_arms(record["rows"])
     repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in record["rows"]}
+    engines = {row["arm"]: row.get("engine") for row in record["rows"]}
     measured, verdicts = {}, []
     controllers = {
         arm
@@ -198,13 +210,21 @@ def dflash(record: dict) -> dict:
         and ARMS[arm].get("dspark_capacity") == "acceptance"
     }
     for arm in sorted(controllers):
-        fixed = fixed_counterpart(arm)
+        fixed = fixed_counterpart(arm, engines)
         concurrencies = sorted(c for a, c in tok_s if a == fixed)
         if (arm, 256) not in tok_s or not concurrencies:
             continue
         ratios = {str(c): tok_s[(arm, c)] / tok_s[(fixed, c)] for c in concurrencies}
         over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
         measured[arm] = {"fixed_arm": fixed, "over_fixed": ratios, "over_nospec_256": over_nospec}
+        # The fixed arm in an engine of its own, reported beside the one the verdict uses.
+        separate = fixed_counterpart(arm)
+        if separate != fixed and any(a == separate for a, _ in tok_s):
+            measured[arm]["over_fixed_own_engine"] = {
+                str(c): tok_s[(arm, c)] / tok_s[(separate, c)]
+                for a, c in tok_s
+                if a == separate and (arm, c) in tok_s
+            }
         if repeats[(arm, 256)] and repeats[("nospec", 256)]:
             measured[arm]["repeats_256"] = {
                 arm: repeats[(arm, 256)],

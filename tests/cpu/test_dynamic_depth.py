@@ -545,3 +545,32 @@ def test_on_the_profiled_curve_the_depth_that_pays_never_loses(
     low, high = paying_depth
     assert low <= mean_depths[0] <= high
     assert rates[0] >= gain * rates[1] * (1 - 1e-9)
+
+
+def test_fixed_depth_runs_in_the_controllers_engine_with_capacity_off(plugin_speculator):
+    """dflash-fixed-lean shares dflash-depth-lean's engine and switches capacity control
+    off there: every request then verifies all K drafts, computed to full depth."""
+    import importlib
+
+    from offline_sweep import engine_runs
+
+    from vllm_dspark.patches import compact_verification
+
+    importlib.import_module(compact_verification.RUNNER_MODULE)
+    compact_verification.apply()
+    ((label, start, switches),) = engine_runs(
+        ["dflash-depth-lean", "dflash-fixed-lean"], shared_engine=True, sps_curve=None
+    )
+    assert label == "dflash-depth-lean+dflash-fixed-lean"
+    assert start.pop("method") == "dflash"
+    start["dspark_sps_curve"] = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    speculator = plugin_speculator(K, method="dflash", **start)
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
+    (_, controller), (_, fixed) = switches
+    assert speculator.switch_capacity(controller).capacity == "acceptance"
+    assert speculator.controls_capacity and speculator.proposal_depth(4) <= K
+    options = speculator.switch_capacity(fixed)
+    assert options.capacity == "off" and not options.dynamic_depth
+    assert options.fp8_draft_backbone and options.draft_vocab  # built at start-up, kept
+    assert not speculator.controls_capacity and speculator.acceptance is None
+    assert speculator.proposal_depth(4) == K

@@ -242,3 +242,36 @@ def test_step_cost_targets_take_the_best_cut_and_the_newest_k3_run(tmp_path):
     assert one_request["passes"] is False
     assert one_request["measured"] == {"dspark-vocab": pytest.approx(0.995)}
     assert phases["passes"] is False and phases["measured"]["dspark-k1@256"] == 1.06
+
+
+def test_the_fixed_arm_switched_to_in_the_controllers_engine_is_its_rival():
+    """Where the run switched to fixed depth in the controller's own engine, the verdict
+    holds the controller to that arm; the fixed arm of an engine of its own is reported."""
+    from targets_summary import dflash, fixed_counterpart
+
+    engines = {"dflash-depth-lean": "e1", "dflash-fixed-lean": "e1"}
+    assert fixed_counterpart("dflash-depth-lean", engines) == "dflash-fixed-lean"
+    assert fixed_counterpart("dflash-depth-lean") == "dflash-lean"  # no engine known
+    other = {"dflash-depth-lean": "e1", "dflash-fixed-lean": "e2"}
+    assert fixed_counterpart("dflash-depth-lean", other) == "dflash-lean"
+    concurrencies = (1, 16, 64, 256)
+    tok_s = {("nospec", c): 100.0 for c in concurrencies}
+    tok_s |= {("dflash-lean", c): 103.0 for c in concurrencies}
+    tok_s |= {("dflash-fixed-lean", c): 101.0 for c in concurrencies}
+    tok_s |= {("dflash-depth-lean", c): 102.0 for c in concurrencies}
+    rows = sweep_rows("qwen3-8b/rates", tok_s)
+    for row in rows:
+        if row["arm"] in engines:
+            row["engine"] = "dflash-depth-lean+dflash-fixed-lean"
+    entry = dflash({"rows": rows})
+    measured = entry["measured"]["dflash-depth-lean"]
+    assert measured["fixed_arm"] == "dflash-fixed-lean"
+    assert measured["over_fixed"]["1"] == pytest.approx(102 / 101)
+    assert measured["over_fixed_own_engine"]["1"] == pytest.approx(102 / 103)
+    assert entry["passes"] is True
+    # Engines of their own: the separate fixed arm decides, and it is faster.
+    for row in rows:
+        row.pop("engine", None)
+    entry = dflash({"rows": rows})
+    assert entry["measured"]["dflash-depth-lean"]["fixed_arm"] == "dflash-lean"
+    assert entry["passes"] is False

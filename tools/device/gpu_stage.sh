@@ -226,7 +226,10 @@ case "$stage" in
     # The acceptance arms share one engine (started with depth graphs and plain steps).
     # Graphs to 2,048 tokens for every arm, as capacity-qwen3: at 94a15b3 (vLLM's 512), 103
     # of dflash-depth's 193 steps at 256 requests (depth 2-3: 768-1,024 tokens) ran eager.
+    # 32 requests a repeat at least, as capacity-qwen3: at 16 (one request, 16 waves) the
+    # repeats of one arm spread 5% (47bc5ae, H200), more than the arms differed.
     timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --shared-engine --graphs-to 2048 \
+      --min-requests 32 \
       --arms "${3:-nospec,dflash,dflash-acceptance,dflash-depth,dflash-plain,dflash-depth-plain}" \
       --concurrency "${4:-1,16,64,256}" ${5:+--max-num-batched-tokens "$5"} \
       --out "$OUT/dflash_acceptance.json" 2>&1 | quiet \
