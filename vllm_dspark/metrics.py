@@ -110,6 +110,7 @@ class AdmissionCounts:
     skipped_proposal_ms: float = 0.0  # what a proposal the draft gate skips still costs
     plain_step_ms: float = 0.0  # plain_steps: a plain step's time outside the curve (P)
     plain_per_request_us: float = 0.0  # and per request (p)
+    proposals_at_depth: list[int] = field(default_factory=list)  # drafting ones, depth 1..K
 
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
         return AdmissionCounts(
@@ -128,6 +129,7 @@ class AdmissionCounts:
             self.skipped_proposal_ms,
             self.plain_step_ms,
             self.plain_per_request_us,
+            [a - b for a, b in zip(self.proposals_at_depth, other.proposals_at_depth, strict=True)],
         )
 
     @property
@@ -150,6 +152,7 @@ def _worker_admission(worker) -> dict:
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
         "fingerprint": getattr(speculator, "admission_fingerprint", 0),
         **_overhead(getattr(speculator, "step_overhead", None)),
+        "proposals_at_depth": list(getattr(speculator, "proposals_at_depth", [])),
     }
 
 

@@ -154,6 +154,8 @@ class DepthGraphs:
         drafting = super().plan_proposal(num_reqs, depth)
         if drafting and self._depth_graphs and self.gate_depth < depth:
             self._use_depth(self.gate_depth)
+        if drafting:
+            self.proposals_at_depth[self.draft_depth - 1] += 1
         return drafting
 
 

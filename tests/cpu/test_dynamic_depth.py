@@ -379,6 +379,9 @@ def test_under_load_the_gate_drafts_a_shallower_depth_that_pays(sps_speculator):
     for _ in range(50):
         speculator.record_proposal(torch.full((16, K), 0.6))
     assert not speculator.plan_proposal(16, K) and speculator.draft_depth == K
+    # Counted by the depth each drafted at; the skipped proposal apart.
+    assert speculator.proposals_at_depth == [1] + [0] * (K - 2) + [1]
+    assert speculator.proposals_skipped == 1
 
 
 # The Qwen3-8B shape's costs on the H200: the draft graph per depth 1..7 at 1, 64 and

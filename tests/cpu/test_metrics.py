@@ -49,6 +49,8 @@ def test_admitted_per_request_counts_compacted_steps_only():
     after = AdmissionCounts(proposed=70 + 4 * 7, admitted=30 + 10, num_drafts=7, steps=2)
     assert (after - before).admitted_per_request == 10 / 4  # 4 request-steps, 10 drafts
     assert (after - before).steps == 2
+    before.proposals_at_depth, after.proposals_at_depth = [3, 0, 5], [4, 2, 5]
+    assert (after - before).proposals_at_depth == [1, 2, 0]
     assert AdmissionCounts(num_drafts=7).admitted_per_request == 7.0  # nothing compacted
 
 

@@ -160,6 +160,9 @@ class CapacityControl:
         self.slowest_request: SlowestRequest | None = None  # gate_objective=batch
         self.drafted_last = True
         self.proposals_skipped = 0
+        # Real proposals that drafted, by the depth they computed (index d - 1): where
+        # dynamic depth spent a run's steps, which its final depth alone does not show.
+        self.proposals_at_depth = [0] * num_drafts
         # plain_steps: the drafts the scheduler gave the next step (the compaction wrapper
         # sets it; None: not known), and the gate's verdict for the scheduler. K at first,
         # so that an engine switched away from plain steps schedules drafts again.
