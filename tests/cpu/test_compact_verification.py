@@ -368,6 +368,26 @@ def test_acceptance_depth_drops_at_once_and_climbs_by_one_per_window():
     assert depth.update(1) == 1
 
 
+def test_acceptance_depth_climbs_back_at_once_to_a_depth_it_verified_lately():
+    """A depth verified within RECENT_STEPS is no probe: a batch whose prefill steps
+    planned a shallower depth returns to it at once, and only past it climbs by one per
+    window; once it is long past, the climb is slow again."""
+    from vllm_dspark.capacity.acceptance import RECENT_STEPS, WINDOW_STEPS, AcceptanceDepth
+
+    depth = AcceptanceDepth(max_depth=K)
+    assert [depth.update(3) for _ in range(10)][-1] == 3
+    assert depth.update(1) == 1  # a transient drop
+    assert depth.update(3) == 3  # back at once
+    assert depth.update(1) == 1
+    assert depth.update(5) == 3  # at once as far as depth 3, then probes
+    assert [depth.update(5) for _ in range(WINDOW_STEPS)] == [3] * (WINDOW_STEPS - 1) + [4]
+    assert depth.update(1) == 1
+    assert depth.update(5) == 4  # depth 4 is recent now
+    # Past RECENT_STEPS at depth 1, depth 4 is a probe again: one position a window.
+    assert [depth.update(1) for _ in range(RECENT_STEPS)][-1] == 1
+    assert depth.update(4) == 2 and depth.update(4) == 2
+
+
 def test_acceptance_depth_follows_the_load_on_the_sps_curve():
     from vllm_dspark.capacity.acceptance import best_depth
     from vllm_dspark.capacity.allocation import sps_table_from_curve

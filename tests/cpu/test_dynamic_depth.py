@@ -577,3 +577,48 @@ def test_fixed_depth_runs_in_the_controllers_engine_with_capacity_off(plugin_spe
     assert options.fp8_draft_backbone and options.draft_vocab  # built at start-up, kept
     assert not speculator.controls_capacity and speculator.acceptance is None
     assert speculator.proposal_depth(4) == K
+
+
+def test_a_batch_returns_at_once_to_the_depth_its_prefill_steps_planned_below(
+    plugin_speculator,
+):
+    """DFlash's acceptance controller through one batch of 256 on the H200's SPS curve and
+    draft timings (47bc5ae): a prefill step's proposal at 219 requests plans depth 2,
+    where 256 requests plan 3; the next step returns to 3 at once (depth 3 ran before),
+    where it used to climb one position per window."""
+    from test_compact_verification import position_record
+
+    path = Path(__file__).parents[2] / "benchmarks/results"
+    record = json.loads((path / "capacity_qwen3_256_mnbt20480_47bc5ae_h200.json").read_text())
+    gate = record["rows"][1]["gate"]
+    speculator = plugin_speculator(
+        K,
+        method="dflash",
+        max_num_seqs=256,
+        dspark_capacity="acceptance",
+        dspark_dynamic_depth=True,
+        dspark_sps_curve=gate["sps_curve"],
+        dspark_step_overhead_ms=5.0,  # O + a R at 256 requests as that run fitted them
+    )
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
+    # Profiled to 220 requests; 256 at the same time per request as 220.
+    speculator.set_draft_cost(
+        {
+            int(depth): [*map(tuple, rows), (256, rows[-1][1] * 256 / rows[-1][0])]
+            for depth, rows in gate["draft_ms"].items()
+        }
+    )
+    survival = torch.tensor(RATES)
+    conditional = survival / torch.cat([torch.ones(1), survival[:-1]])
+    gen = torch.Generator().manual_seed(0)
+    depths = {}
+    for step, load in enumerate([256] * 40 + [2, 110, 219] + [256] * 4):
+        depth = speculator.proposal_depth(load)
+        speculator.draft_depth = depth
+        draws = torch.rand(load, depth, generator=gen) < conditional[:depth]
+        accepted = torch.cumprod(draws.long(), dim=1).sum(dim=1)
+        speculator.record_verification(position_record(torch.full((load,), depth), accepted))
+        depths[step] = depth
+    assert depths[39] == 3  # the batch before, at 256 requests
+    assert depths[42] == 2  # the prefill step at 219 requests
+    assert [depths[step] for step in range(43, 47)] == [3, 3, 3, 3]

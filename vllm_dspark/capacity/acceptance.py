@@ -32,22 +32,32 @@ What it picks:
 - without a curve (no FULL CUDA graphs to profile): the expected accepted length at full
   depth plus a margin, clamp(floor(S_1 + ... + S_K + 1.5), 1, K).
 
-d drops to a lower target at once and climbs toward a higher one by one per
-``WINDOW_STEPS`` steps. The counts are of steps already verified (read one step late,
-:mod:`vllm_dspark.capacity.stale_record`), so d never depends on the drafts it is applied
-to, and speculative sampling stays lossless. Host arithmetic on values every
-tensor-parallel rank reads alike: every rank picks the same d.
+d drops to a lower target at once. It climbs at once back to a depth it verified within
+the last ``RECENT_STEPS`` steps (those positions' ratios are fresh), and past that by one
+per ``WINDOW_STEPS`` steps (a position not verified lately is a probe). On the H200 at 256
+requests (47bc5ae, DFlash, ``dflash_acceptance.json``) the recorded batch started at
+depth 1 after its prefill steps and climbed one position per window back to depth 3,
+where it had run before: 11 steps at 23-24 generated tokens per ms against 26.5 at depth
+3, about 2.5% of the batch's time. (Replayed on CPU with the SPS curve profiled on the same
+machine minutes later, ``capacity_qwen3_256_mnbt20480_47bc5ae_h200.json``, a prefill
+step's proposal at 219 requests plans depth 2 where 256 requests plan 3.) The counts are
+of steps already verified (read one step late, :mod:`vllm_dspark.capacity.stale_record`),
+so d never depends on the drafts it is applied to, and speculative sampling stays
+lossless. Host arithmetic on values every tensor-parallel rank reads alike: every rank
+picks the same d.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 WINDOW_STEPS = 8  # steps between two climbs of one
+RECENT_STEPS = 64  # steps a verified depth stays one to climb back to at once (as DECAY)
 DECAY = 1 - 1 / 64  # per step: the counts weigh about the last 64 steps
 MARGIN = 1.5  # drafts beyond the expected accepted length that the length rule verifies
 MIN_REACHED = 1e-3  # fewer (decayed) verifications reaching a position: no ratio of its own
@@ -92,6 +102,7 @@ class AcceptanceDepth:
     accepted: np.ndarray = field(init=False)
     changes: int = field(default=0, init=False)
     _since_climb: int = field(default=0, init=False)
+    _recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS), init=False)
 
     def __post_init__(self) -> None:
         self.depth = self.max_depth
@@ -117,14 +128,21 @@ class AcceptanceDepth:
         return max(1, min(self.max_depth, math.floor(expected + MARGIN)))
 
     def update(self, target: int) -> int:
-        """Once per step: drop to ``target`` at once, or climb one toward it once a window
-        has passed since the last climb; returns the depth."""
+        """Once per step: drop to ``target`` at once; climb toward it at once up to the
+        deepest depth of the last RECENT_STEPS steps, past that one position once a window
+        has passed since the last climb. Returns the depth the next step verifies."""
         self._since_climb += 1
+        recent = max(self._recent, default=0)
         if target < self.depth:
             self.depth = target
             self.changes += 1
+        elif target > self.depth and recent > self.depth:
+            self.depth = min(target, recent)
+            self.changes += 1
+            self._since_climb = 0
         elif target > self.depth and self._since_climb >= WINDOW_STEPS:
             self.depth += 1
             self.changes += 1
             self._since_climb = 0
+        self._recent.append(self.depth)
         return self.depth
