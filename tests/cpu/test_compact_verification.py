@@ -466,7 +466,7 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
     # nor count toward the next that does.
     from vllm_dspark.capacity.control import EXPLORE_EVERY, EXPLORE_MIN_DRAFTS
 
-    flat = speculator(dspark_sps_curve=[[1, 100.0], [64, 100.0]])
+    flat = speculator(dspark_sps_curve=[[1, 100.0], [2048, 100.0]])
     assert flat.step_overhead.measuring
     small = EXPLORE_MIN_DRAFTS // K
     assert small * K < EXPLORE_MIN_DRAFTS <= (small + 1) * K

@@ -72,14 +72,14 @@ _FINGERPRINT_MUL = 1_000_003
 
 # sps measuring its overhead: one step in this many verifies half its admitted drafts.
 EXPLORE_EVERY = 64
-# ... counting only steps that verify at least this many drafts. Below it the time per
-# draft b cannot move a decision, so a varied step only loses tokens: leaving out the last
-# position of R < 32 / d requests saves R b, about 1% of a Qwen3-8B decode step at d = 7
-# even at the largest b any run has fitted (20 us, DFlash, H200), against the position's
-# survival, 3.5% of the step's tokens (DFlash at one request, cfb33fa, H100: there 26
-# varied steps in 1,628 left out 104 drafts, and the acceptance controller ran 0.995x
-# fixed depth).
-EXPLORE_MIN_DRAFTS = 32
+# ... counting only steps that verify at least this many drafts. Below it a varied step
+# costs its deeper half's tokens for a reading b rarely needs: dropping the last position
+# of R requests saves R b against R times that position's survival in tokens, which at 16
+# requests (DFlash's profile, the H200's 6.2 ms step, survival 0.16 at position 7) pays
+# only at b >= 15 us, where the H200's runs fitted 0 under load; there two varied steps
+# cost one engine step more in three batches, 0.99x fixed depth (47bc5ae). b is fitted
+# under load, where it moves decisions, and read at every load.
+EXPLORE_MIN_DRAFTS = 128
 
 # Options a running engine can switch (benchmarks compare capacity arms in one engine);
 # what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
