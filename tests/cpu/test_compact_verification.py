@@ -466,7 +466,7 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
     # nor count toward the next that does.
     from vllm_dspark.capacity.control import EXPLORE_EVERY, EXPLORE_MIN_DRAFTS
 
-    flat = speculator(dspark_sps_curve=[[1, 100.0], [2048, 100.0]])
+    flat = speculator(dspark_sps_curve=[[1, 100.0], [64, 100.0]])
     assert flat.step_overhead.measuring
     small = EXPLORE_MIN_DRAFTS // K
     assert small * K < EXPLORE_MIN_DRAFTS <= (small + 1) * K
@@ -875,3 +875,33 @@ def test_varlen_graphs_need_flash_attention_3_on_every_layer(
     monkeypatch.setattr(vllm.config, "get_layers_from_vllm_config", lambda config, kind: layers)
     monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda head_size: versions[head_size])
     assert replays_varlen_graphs(None) is expected
+
+
+def test_acceptance_varies_its_depth_only_where_the_draft_time_could_move_it(plugin_speculator):
+    """Once its overhead is fitted, the acceptance controller halves a step's depth (one
+    step in EXPLORE_EVERY) only at a load where DRAFT_TIME_DOUBT more per verified draft
+    would change the depth it picks: on a flat curve at 5 requests accepting 0.8 a
+    position, K either way; at 64 requests accepting 0.5, K against 3."""
+    from vllm_dspark.capacity.control import EXPLORE_EVERY
+
+    def fitted(rate: float, num_reqs: int):
+        speculator = plugin_speculator(
+            K,
+            method="dflash",
+            dspark_capacity="acceptance",
+            dspark_sps_curve=[[1, 100.0], [2048, 100.0]],
+        )
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(200):
+            speculator.record_verification(position_record(*verify_geometric(K, 8, rate, gen)))
+            speculator._observe_acceptance()
+        speculator.step_overhead.ready = True  # fitted: O = a = b = 0
+        return speculator
+
+    light = fitted(0.8, 5)
+    assert not light._depth_hinges_on_draft_time(5)
+    assert {light.admission_budget(5) for _ in range(2 * EXPLORE_EVERY)} == {5 * K}
+    loaded = fitted(0.5, 64)
+    assert loaded._depth_hinges_on_draft_time(64)
+    budgets = [loaded.admission_budget(64) for _ in range(EXPLORE_EVERY)]
+    assert budgets == [64 * K] * (EXPLORE_EVERY - 1) + [64 * (K // 2)]

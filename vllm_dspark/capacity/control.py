@@ -72,14 +72,20 @@ _FINGERPRINT_MUL = 1_000_003
 
 # sps measuring its overhead: one step in this many verifies half its admitted drafts.
 EXPLORE_EVERY = 64
-# ... counting only steps that verify at least this many drafts. Below it a varied step
-# costs its deeper half's tokens for a reading b rarely needs: dropping the last position
-# of R requests saves R b against R times that position's survival in tokens, which at 16
-# requests (DFlash's profile, the H200's 6.2 ms step, survival 0.16 at position 7) pays
-# only at b >= 15 us, where the H200's runs fitted 0 under load; there two varied steps
-# cost one engine step more in three batches, 0.99x fixed depth (47bc5ae). b is fitted
-# under load, where it moves decisions, and read at every load.
-EXPLORE_MIN_DRAFTS = 128
+# ... counting only steps that verify at least this many drafts. Below it the time per
+# draft b cannot move a decision, so a varied step only loses tokens: leaving out the last
+# position of R < 32 / d requests saves R b, about 1% of a Qwen3-8B decode step at d = 7
+# even at the largest b any run has fitted (20 us, DFlash, H200), against the position's
+# survival, 3.5% of the step's tokens (DFlash at one request, cfb33fa, H100: there 26
+# varied steps in 1,628 left out 104 drafts, and the acceptance controller ran 0.995x
+# fixed depth).
+EXPLORE_MIN_DRAFTS = 32
+# acceptance: a varied step halves every request's depth, so it is taken only where the
+# depth would differ with DRAFT_TIME_DOUBT more per verified draft than fitted. At 16
+# requests (DFlash's profile, the H200's 6.2 ms step, survival 0.16 at position 7) the
+# last position pays up to 15 us a draft, where the H200's runs fitted 0; there two
+# varied steps had cost one engine step more in three batches, 0.99x fixed depth (47bc5ae).
+DRAFT_TIME_DOUBT = 10e-6
 
 # Options a running engine can switch (benchmarks compare capacity arms in one engine);
 # what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
@@ -449,8 +455,9 @@ class CapacityControl:
             dynamic = self.options.dynamic_depth
             depth = self.draft_depth if dynamic else self._acceptance_depth(num_reqs)
             # Varied per request, so that every request still verifies the same depth.
-            varied = self._vary_admission(depth, num_reqs * depth) if measuring else depth
-            return num_reqs * varied
+            if measuring and self._depth_hinges_on_draft_time(num_reqs):
+                depth = self._vary_admission(depth, num_reqs * depth)
+            return num_reqs * depth
         if self.stale_budget is None:
             return cap
         wanted = round(self.stale_budget.per_request() * num_reqs)
@@ -478,8 +485,16 @@ class CapacityControl:
         """acceptance: the depth every request verifies, after taking in the newest
         verified step's counts."""
         self._observe_acceptance()
-        if self.sps_table_host is None:
+        target = self._best_acceptance_depth(num_reqs)
+        if target is None:
             return self.acceptance.update(self.acceptance.length_target())
+        return self.acceptance.update(target)
+
+    def _best_acceptance_depth(self, num_reqs: int, doubt_s: float = 0.0) -> int | None:
+        """The depth of most expected tokens per second on the curve at ``num_reqs``
+        requests, each verified draft ``doubt_s`` dearer than fitted (None: no curve)."""
+        if self.sps_table_host is None:
+            return None
         fixed = per_draft = 0.0
         overhead = self.step_overhead
         if overhead.ready:
@@ -489,16 +504,25 @@ class CapacityControl:
             draft = np.array([self._proposal_seconds(num_reqs, d) for d in depths])
         else:
             draft = self._proposal_seconds(num_reqs, self.num_speculative_steps)
-        target = best_depth(
+        return best_depth(
             self.acceptance.survival(),
             num_reqs,
             self.sps_table_host,
             fixed,
-            per_draft,
+            per_draft + doubt_s,
             draft,
             masked_step_drafts=self.masked_step_drafts,
         )
-        return self.acceptance.update(target)
+
+    def _depth_hinges_on_draft_time(self, num_reqs: int) -> bool:
+        """acceptance fitting its step overhead: whether the time per verified draft could
+        change the depth at this load (DRAFT_TIME_DOUBT more than fitted would), the only
+        place a varied step's reading is worth its lost drafts; until the overhead is
+        fitted, always."""
+        if not self.step_overhead.ready:
+            return True
+        plain = self._best_acceptance_depth(num_reqs)
+        return plain != self._best_acceptance_depth(num_reqs, DRAFT_TIME_DOUBT)
 
     def _observe_acceptance(self) -> None:
         """acceptance: take in the newest verified step's counts per position, once."""
