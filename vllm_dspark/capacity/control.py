@@ -21,7 +21,9 @@ load. ``sps``, ``acceptance`` and the gate count each step's time outside the cu
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -455,8 +457,9 @@ class CapacityControl:
             dynamic = self.options.dynamic_depth
             depth = self.draft_depth if dynamic else self._acceptance_depth(num_reqs)
             # Varied per request, so that every request still verifies the same depth.
-            if measuring and self._depth_hinges_on_draft_time(num_reqs):
-                depth = self._vary_admission(depth, num_reqs * depth)
+            if measuring:
+                hinges = functools.partial(self._depth_hinges_on_draft_time, num_reqs)
+                depth = self._vary_admission(depth, num_reqs * depth, hinges)
             return num_reqs * depth
         if self.stale_budget is None:
             return cap
@@ -532,20 +535,25 @@ class CapacityControl:
             totals, num_drafts = counts.per_request(), self.num_speculative_steps
             self.acceptance.observe(totals[:num_drafts], totals[num_drafts:])
 
-    def _vary_admission(self, budget: int, drafts: int) -> int:
+    def _vary_admission(
+        self, budget: int, drafts: int, worth_it: Callable[[], bool] | None = None
+    ) -> int:
         """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY of
         those verifying ``drafts`` >= EXPLORE_MIN_DRAFTS verifies the better half of its
-        admission only (of its depth, for acceptance). Steps that all verify the same
+        admission only (of its depth, for acceptance), unless ``worth_it`` (asked then
+        only) says its reading could change no decision. Steps that all verify the same
         number of drafts (an admission that has settled) cannot tell the per-draft time
         from the per-step time (``step_overhead``); this step can, for the price of its
-        less likely half of the drafts. A function of the step count and the step's drafts
-        alone: lossless, and the same on every rank."""
+        less likely half of the drafts. A function of the step count, the step's drafts
+        and host values every rank holds alike: lossless, and the same on every rank."""
         if drafts < EXPLORE_MIN_DRAFTS or budget < 2:
             return budget
         self.steps_since_varied += 1
         if self.steps_since_varied < EXPLORE_EVERY:
             return budget
         self.steps_since_varied = 0
+        if worth_it is not None and not worth_it():
+            return budget
         return budget // 2
 
     def verify_capacity(
