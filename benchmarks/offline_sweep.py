@@ -604,8 +604,8 @@ def main() -> int:
         help="vLLM's max_num_batched_tokens for every arm (default: vLLM's). Speculation "
         "holds (K - 1) x max_num_seqs of it for drafting slots, so a speculating arm "
         "schedules that much less per step (14,848 of 16,384 at K=7, 256 sequences), and "
-        "256 prompts of 128 tokens take it one more prefill step; 20,480 fits them in two "
-        "steps with and without speculation",
+        "256 prompts of 128 tokens take it one more prefill step (20,480 did not save it "
+        "on the H200, 47bc5ae: the first step takes the few prompts already arrived)",
     )
     parser.add_argument(
         "--bracket",
