@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -193,15 +194,39 @@ def _arm_with(options: dict) -> str | None:
     return next((name for name, arm_options in ARMS.items() if arm_options == options), None)
 
 
+def pooled_rows(record: dict) -> tuple[list[dict], list[tuple[str, int]]]:
+    """The record's rows with the timed repeats of its follow-up run pooled in
+    (``more_repeats``: the same commit on the same device, more repeats of some arms at some
+    concurrency, taken where one run's repeats spread more than its arms differ): each such
+    row's tok_s is then the median of both runs' repeats. Also the (arm, concurrency) pairs
+    pooled."""
+    more = record.get("more_repeats")
+    if not more:
+        return record["rows"], []
+    if (more.get("commit"), more.get("device")) != (record.get("commit"), record.get("device")):
+        raise ValueError("more_repeats must come from the record's commit and device")
+    added = {(row["arm"], row["concurrency"]): row["tok_s_repeats"] for row in more["rows"]}
+    rows, pooled = [], []
+    for row in record["rows"]:
+        key = (row["arm"], row["concurrency"])
+        if key in added:
+            repeats = row["tok_s_repeats"] + added[key]
+            row = row | {"tok_s": statistics.median(repeats), "tok_s_repeats": repeats}
+            pooled.append(key)
+        rows.append(row)
+    return rows, pooled
+
+
 def dflash(record: dict) -> dict:
     """Each acceptance-controller arm the run has (``dflash-*`` with
     ``dspark_capacity=acceptance``: without and with dynamic depth, plain steps and
     drafting cuts) against the fixed-depth arm that drafts alike (:func:`fixed_counterpart`:
     in its own engine where the run switched to it there) and no speculation, with both
     arms' repeats at 256 where recorded; the target passes if one arm meets all of it."""
-    tok_s, cached = _tok_s(record["rows"]), cached_arms(record["rows"])
-    repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in record["rows"]}
-    engines = {row["arm"]: row.get("engine") for row in record["rows"]}
+    rows, pooled = pooled_rows(record)
+    tok_s, cached = _tok_s(rows), cached_arms(rows)
+    repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in rows}
+    engines = {row["arm"]: row.get("engine") for row in rows}
     measured, verdicts = {}, []
     controllers = {
         arm
@@ -217,6 +242,11 @@ def dflash(record: dict) -> dict:
         ratios = {str(c): tok_s[(arm, c)] / tok_s[(fixed, c)] for c in concurrencies}
         over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
         measured[arm] = {"fixed_arm": fixed, "over_fixed": ratios, "over_nospec_256": over_nospec}
+        if pooled:  # the first run's ratios beside the pooled ones
+            first = _tok_s(record["rows"])
+            measured[arm]["over_fixed_first_run"] = {
+                str(c): first[(arm, c)] / first[(fixed, c)] for c in concurrencies
+            }
         # The fixed arm in an engine of its own, reported beside the one the verdict uses.
         separate = fixed_counterpart(arm)
         if separate != fixed and any(a == separate for a, _ in tok_s):
@@ -239,6 +269,7 @@ def dflash(record: dict) -> dict:
         "passes": _some(verdicts),
         "measured": measured,
         "prefill_cached_arms": sorted(cached),
+        "pooled_repeats": [list(key) for key in pooled],
     }
 
 

@@ -113,6 +113,35 @@ def test_a_lean_controller_arm_is_held_to_the_fixed_arm_that_drafts_alike():
     assert dflash({"rows": sweep_rows("qwen3-8b/rates", at_256)})["passes"] is False
 
 
+def test_a_follow_up_run_of_more_repeats_pools_into_the_verdict():
+    from targets_summary import dflash
+
+    tok_s = {(arm, c): 100.0 for arm in ("dflash-lean", "nospec") for c in (1, 16, 64, 256)}
+    tok_s |= {("dflash-depth-lean", c): 104.0 for c in (1, 16, 64, 256)}
+    rows = sweep_rows("qwen3-8b/rates", tok_s)
+    for row in rows:
+        row["tok_s_repeats"] = [row["tok_s"]] * 3
+    behind = [98.0, 99.0, 100.0]  # the controller's repeats at 16, fixed depth's 100 each
+    for row in rows:
+        if row["arm"] == "dflash-depth-lean" and row["concurrency"] == 16:
+            row |= {"tok_s": 99.0, "tok_s_repeats": behind}
+    record = RECORD | {"rows": rows}
+    assert dflash(record)["passes"] is False
+    more = [
+        {"arm": "dflash-depth-lean", "concurrency": 16, "tok_s_repeats": [101.0] * 5},
+        {"arm": "dflash-lean", "concurrency": 16, "tok_s_repeats": [100.0] * 5},
+    ]
+    entry = dflash(record | {"more_repeats": RECORD | {"rows": more}})
+    measured = entry["measured"]["dflash-depth-lean"]
+    assert measured["over_fixed"]["16"] == pytest.approx(1.01)  # median of 8 repeats
+    assert measured["over_fixed_first_run"]["16"] == pytest.approx(0.99)
+    assert entry["pooled_repeats"] == [["dflash-lean", 16], ["dflash-depth-lean", 16]]
+    assert entry["passes"] is True
+    # Another commit's (or device's) repeats do not pool.
+    with pytest.raises(ValueError, match="commit and device"):
+        dflash(record | {"more_repeats": RECORD | {"commit": "def", "rows": more}})
+
+
 def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
     for issue in ("capacity", "depth-sts", "step-cost"):
         entries, missing = summarize(tmp_path, issue)

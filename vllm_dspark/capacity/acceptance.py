@@ -35,12 +35,14 @@ What it picks:
 d drops to a lower target at once. It climbs at once back to a depth it verified within
 the last ``RECENT_STEPS`` steps (those positions' ratios are fresh), and past that by one
 per ``WINDOW_STEPS`` steps (a position not verified lately is a probe). On the H200 at 256
-requests (47bc5ae, DFlash, ``dflash_acceptance.json``) the recorded batch started at
-depth 1 after its prefill steps and climbed one position per window back to depth 3,
-where it had run before: 11 steps at 24-25 generated tokens per ms against 25.9 at depth
-3, about 1% of the batch's time. (Replayed on CPU with the SPS curve profiled on the same
-machine minutes later, ``capacity_qwen3_256_mnbt20480_47bc5ae_h200.json``, a prefill
-step's proposal at 219 requests plans depth 2 where 256 requests plan 3.) The counts are
+requests (47bc5ae, DFlash, ``dflash_acceptance_47bc5ae_h200.json``), under a rule that
+climbed one position per window, the recorded batch started at depth 1 after its prefill
+steps and climbed back to depth 3, where it had run before: 11 steps at 24-25 generated
+tokens per ms against 25.9 at depth 3, about 1% of the batch's time. (Replayed on CPU
+with the SPS curve profiled on the same machine minutes later,
+``capacity_qwen3_256_mnbt20480_47bc5ae_h200.json``, a prefill step's proposal at 219
+requests plans depth 2 where 256 requests plan 3.) With this rule the H100's batch
+(651be6c, ``dflash_acceptance.json``) ran depth 3 from its first decode step. The counts are
 of steps already verified (read one step late, :mod:`vllm_dspark.capacity.stale_record`),
 so d never depends on the drafts it is applied to, and speculative sampling stays
 lossless. Host arithmetic on values every tensor-parallel rank reads alike: every rank
