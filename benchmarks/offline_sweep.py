@@ -299,7 +299,7 @@ def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one JSON line each."""
     from vllm import LLM, SamplingParams
 
-    from vllm_dspark.engine_control import switch_capacity
+    from vllm_dspark.engine_control import switch_capacity, trace_steps
     from vllm_dspark.metrics import (
         ITERATION_TOKENS,
         TIME_TO_FIRST_TOKEN,
@@ -394,7 +394,10 @@ def run_arm_here(spec: dict) -> None:
             per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
             admitted = per_rank[0]
             # The first repeat's first wave once more (its prompts and seeds), untimed and
-            # outside the counters, step by step.
+            # outside the counters, step by step: as the front end receives them and, with
+            # speculation, what capacity control decided in each decode step.
+            if speculating:
+                trace_steps(llm, True)
             with step_timeline(llm) as timeline:
                 offset = concurrency  # repeat 0, wave 0
                 llm.generate(
@@ -402,6 +405,7 @@ def run_arm_here(spec: dict) -> None:
                     seeded_params(spec["output_len"], concurrency, offset),
                     use_tqdm=False,
                 )
+            decisions = trace_steps(llm, False) if speculating else None
             batches = spec["repeats"] * waves
             row = {
                 "concurrency": concurrency,
@@ -420,6 +424,8 @@ def run_arm_here(spec: dict) -> None:
                 "wall_s": round(time.monotonic() - measuring, 1),
                 "timeline": timeline_summary(timeline, concurrency),
             }
+            if decisions:
+                row["timeline"]["decode_steps"] = decisions
             if speculating and len(per_rank) > 1:
                 row["ranks_agree"] = all(counts == admitted for counts in per_rank)
             gate = gate_inputs(llm) if speculating else {}

@@ -18,3 +18,16 @@ def switch_capacity(llm, **updates) -> dict:
     """Switch every rank (``updates``: option names without the ``dspark_`` prefix);
     returns the options now in force, as the first rank reports them."""
     return llm.collective_rpc(_worker_switch, args=(updates,))[0]
+
+
+def _worker_trace(worker, tracing: bool) -> list[list] | None:
+    speculator = worker.model_runner.speculator
+    trace, speculator.step_trace = speculator.step_trace, [] if tracing else None
+    return trace
+
+
+def trace_steps(llm, tracing: bool) -> list[list] | None:
+    """Start (``tracing``) or stop tracing every rank's decode steps
+    (:meth:`~vllm_dspark.capacity.control.CapacityControl.trace_step`); stopping returns
+    the first rank's trace."""
+    return llm.collective_rpc(_worker_trace, args=(tracing,))[0]

@@ -440,9 +440,12 @@ def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, ca
             assert kwargs["tensor_parallel_size"] == 2
             super().__init__(**kwargs)
 
-        def collective_rpc(self, method):
+        def collective_rpc(self, method, args=()):
             if method.__name__ == "_worker_gate_inputs":
                 return [{"gate_open": False, "mean_survival": [0.5]}] * 2
+            if method.__name__ == "_worker_trace":  # (start, stop): the first rank's steps
+                tracing = args[0]
+                return [None if tracing else [[2, 3, 2, 1.5, 10.0, 0.0]], [[9]]]
             # Reads before and after each concurrency: rank 1 admits one draft more than
             # rank 0 during the second (between reads 2 and 3).
             read = next(reads)
@@ -469,6 +472,8 @@ def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, ca
     assert [row["ranks_agree"] for row in rows] == [True, False]
     assert rows[0]["admission"] == dict(vars(AdmissionCounts(admitted=1)))
     assert rows[0]["gate"] == {"gate_open": False, "mean_survival": [0.5]}
+    # The timeline batch's decode steps as the first rank decided them.
+    assert rows[1]["timeline"]["decode_steps"] == [[2, 3, 2, 1.5, 10.0, 0.0]]
 
 
 def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(

@@ -622,3 +622,22 @@ def test_a_batch_returns_at_once_to_the_depth_its_prefill_steps_planned_below(
     assert depths[39] == 3  # the batch before, at 256 requests
     assert depths[42] == 2  # the prefill step at 219 requests
     assert [depths[step] for step in range(43, 47)] == [3, 3, 3, 3]
+
+
+def test_a_traced_batch_records_each_steps_decision_and_its_inputs(plugin_speculator):
+    """Tracing (a benchmark's timeline batch) records per decode step the requests, the
+    drafts admitted, the depth the verified proposal computed and the fitted costs;
+    without it nothing is kept."""
+    steps = 3 * WINDOW_STEPS
+    speculator = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
+    closed_loop(speculator, 256, 2e-3, steps, synthetic_survivals(256, steps))
+    assert speculator.step_trace is None
+    speculator = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
+    speculator.step_trace = []
+    _, depths = closed_loop(speculator, 256, 2e-3, steps, synthetic_survivals(256, steps))
+    trace = speculator.step_trace
+    assert len(trace) == steps and {row[0] for row in trace} == {256}
+    # Each step verifies the proposal before it, at the depth that proposal computed.
+    assert [row[2] for row in trace] == [K, *depths[:-1]]
+    assert all(0 < row[1] <= 256 * row[2] for row in trace)
+    assert {tuple(row[3:]) for row in trace} == {(2.0, 0.0, 0.0)}  # O = 2 ms, given

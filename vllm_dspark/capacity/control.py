@@ -171,6 +171,9 @@ class CapacityControl:
         # Real proposals that drafted, by the depth they computed (index d - 1): where
         # dynamic depth spent a run's steps, which its final depth alone does not show.
         self.proposals_at_depth = [0] * num_drafts
+        # Per decode step while a benchmark traces one batch (None: not tracing):
+        # what each step decided and on what (:meth:`trace_step`).
+        self.step_trace: list[list] | None = getattr(self, "step_trace", None)
         # plain_steps: the drafts the scheduler gave the next step (the compaction wrapper
         # sets it; None: not known), and the gate's verdict for the scheduler. K at first,
         # so that an engine switched away from plain steps schedules drafts again.
@@ -585,6 +588,7 @@ class CapacityControl:
         slot.copy_(capacity, non_blocking=True)
         self.pending_admission = (req_ids, slot)
         self.fold_fingerprint(capacity)
+        self.trace_step(num_reqs, budget)
         if self.physical_depth is not None and budget > 0:
             # (A step verifying a skipped proposal admits 0 because nothing was drafted:
             # counting it would sink the depth to 1 while the draft gate is closed, and
@@ -599,10 +603,24 @@ class CapacityControl:
         num_drafts = self.num_speculative_steps
         self.drafts_proposed += num_reqs * num_drafts
         self.drafts_admitted += num_reqs * num_drafts
+        self.trace_step(num_reqs, num_reqs * num_drafts)
         if self.physical_depth is not None:
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(self.all_drafts, 1)
             self.physical_depth.observe(num_reqs, max_admitted, self._paying_depth)
+
+    def trace_step(self, num_reqs: int, budget: int) -> None:
+        """While tracing: [requests, drafts admitted, depth the verified proposal
+        computed, the step overhead's O (ms), a and b (us)] of this decode step, so that a
+        batch's record shows what each step decided and on what."""
+        if self.step_trace is None:
+            return
+        fit = self.step_overhead
+        costs = (0.0, 0.0, 0.0)
+        if fit is not None:
+            costs = (fit.seconds * 1e3, fit.per_request_seconds * 1e6, fit.per_draft_seconds * 1e6)
+        depth = self.draft_depth if budget else 0  # 0: the proposal was skipped
+        self.step_trace.append([num_reqs, budget, depth, *(round(c, 3) for c in costs)])
 
     def _paying_depth(self) -> int | None:
         """sps with dynamic depth, at a window's end: the depth d' <= d whose proposals
