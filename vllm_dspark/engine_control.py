@@ -22,6 +22,8 @@ def switch_capacity(llm, **updates) -> dict:
 
 def _worker_trace(worker, tracing: bool) -> list[list] | None:
     speculator = worker.model_runner.speculator
+    if not hasattr(speculator, "trace_step"):
+        return None  # vLLM's own speculator (no option set): no capacity control to trace
     trace, speculator.step_trace = speculator.step_trace, [] if tracing else None
     return trace
 
