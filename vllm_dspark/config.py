@@ -138,6 +138,12 @@ class DSparkOptions(BaseModel):
     padding (compact variable-length verification; FlashAttention or Triton attention);
     false, masked (the target still runs every draft; any attention backend)."""
 
+    mixed_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    """With ``varlen_verify``: steps that also carry prompts (a new request's prefill, the
+    chunk of a long one) verify only the admitted drafts too, not all K; without it
+    they verify every draft. In a server whose requests arrive one by one most steps
+    carry a prompt. Off until the GPU's lossless tests have run it."""
+
     plain_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """``capacity=sps``: while the draft gate is closed, the scheduler schedules plain
     decode steps (no drafts: nothing verified, no rejection sampling) instead of
@@ -246,6 +252,7 @@ class DSparkOptions(BaseModel):
             "online_sts": CONFIDENCE_MODES,
             "dynamic_depth": (*CONFIDENCE_MODES, "acceptance"),
             "varlen_verify": (*CONFIDENCE_MODES, "acceptance"),
+            "mixed_steps": (*CONFIDENCE_MODES, "acceptance"),
             "plain_steps": ("sps", "acceptance"),
             "gate_objective": ("sps",),
         }
@@ -257,6 +264,11 @@ class DSparkOptions(BaseModel):
                     f"{KEY_PREFIX}{name} only applies with {choices}; "
                     f"{KEY_PREFIX}capacity is {self.capacity!r}"
                 )
+        if self.mixed_steps and not self.varlen_verify:
+            raise ValueError(
+                f"{KEY_PREFIX}mixed_steps only applies with {KEY_PREFIX}varlen_verify=true "
+                "(a masked step runs every draft anyway)"
+            )
         return self
 
     @property

@@ -99,6 +99,7 @@ class AdmissionCounts:
     num_drafts: int = 0  # K
     steps: int = 0
     graph_steps: int = 0  # of those steps, replayed from a FULL CUDA graph
+    mixed_steps: int = 0  # of those steps, ones that also carried prompts
     depth: int = 0  # sequential positions the drafter computes now (a gauge)
     depth_changes: int = 0  # changes of the depth drafted (dynamic depth) or verified
     proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
@@ -119,6 +120,7 @@ class AdmissionCounts:
             self.num_drafts,
             self.steps - other.steps,
             self.graph_steps - other.graph_steps,
+            self.mixed_steps - other.mixed_steps,
             self.depth,
             self.depth_changes - other.depth_changes,
             self.proposals_skipped - other.proposals_skipped,
@@ -147,6 +149,7 @@ def _worker_admission(worker) -> dict:
         "num_drafts": speculator.num_speculative_steps,
         "steps": getattr(speculator, "compacted_steps", 0),
         "graph_steps": getattr(speculator, "graph_steps", 0),
+        "mixed_steps": getattr(speculator, "mixed_steps", 0),
         "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
         "depth_changes": getattr(speculator, "depth_changes", 0),
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),

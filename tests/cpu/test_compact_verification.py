@@ -184,6 +184,7 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
 def scheduler_output(counts, drafts, structured=False, new=()):
     return SimpleNamespace(
         num_scheduled_tokens=counts,
+        total_num_scheduled_tokens=sum(counts.values()),
         scheduled_spec_decode_tokens=drafts,
         has_structured_output_requests=structured,
         scheduled_new_reqs=list(new),
@@ -200,7 +201,7 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     )
     decode = {"a": 1 + K}
     drafts = {"a": [-1] * K}
-    assert _step_budget(runner, scheduler_output(decode, drafts)) == 2  # ceil(7 * 0.25)
+    assert _step_budget(runner, scheduler_output(decode, drafts)).drafts == 2  # ceil(7 * 0.25)
     # A prefill in the batch, structured output, or a request asking for logprobs: no.
     assert _step_budget(runner, scheduler_output({"a": 1 + K, "b": 40}, drafts)) is None
     assert _step_budget(runner, scheduler_output(decode, drafts, structured=True)) is None
@@ -212,6 +213,115 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     padded = {"a": 1 + K, "new": 1 + K}
     new_drafts = {"a": [-1] * K, "new": [-1] * K}
     assert _step_budget(runner, scheduler_output(padded, new_drafts, new=["new"])) is None
+
+
+def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plugin_speculator):
+    from vllm_dspark.patches.compact_verification import StepBudget, _step_budget
+
+    speculator = plugin_speculator(
+        dspark_capacity="budget",
+        dspark_budget_frac=0.25,
+        dspark_varlen_verify=True,
+        dspark_mixed_steps=True,
+    )
+    logprobs = set()  # the request slots wanting logprobs
+    runner = SimpleNamespace(
+        speculator=speculator,
+        req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1, "c": 2}),
+        sampler=SimpleNamespace(returns_logprobs=lambda slots: bool(logprobs & set(slots))),
+    )
+    drafts = {"a": [-1] * K, "b": [-1] * K}
+    # Two decoding requests, a new one's prompt (40 tokens) and another's chunk (30):
+    # 2 * 8 + 70 tokens, 4 drafts verified of 14, so 10 fewer.
+    counts = {"a": 1 + K, "b": 1 + K, "new": 40, "c": 30}
+    step = _step_budget(runner, scheduler_output(counts, drafts, new=["new"]))
+    assert step == StepBudget(4, (2, 2 * (1 + K) + 70 - 10))
+    assert speculator.step_tokens is None  # a step with prompts is off the SPS curve
+    # Still uncompacted: a request wanting logprobs (host-side layout), old or new; a prompt
+    # chunk of exactly 1 + K tokens (vLLM would sort it among the decoding ones), a
+    # request with some drafts but not K, or no decoding request at all.
+    logprobs_new = SimpleNamespace(
+        req_id="new", sampling_params=SimpleNamespace(logprobs=2, prompt_logprobs=None)
+    )
+    assert _step_budget(runner, scheduler_output(counts, drafts, new=[logprobs_new])) is None
+    logprobs.add(2)  # request c
+    assert _step_budget(runner, scheduler_output(counts, drafts, new=["new"])) is None
+    logprobs.clear()
+    assert _step_budget(runner, scheduler_output(counts | {"c": 1 + K}, drafts)) is None
+    short = drafts | {"c": [-1] * 2}
+    assert _step_budget(runner, scheduler_output(counts | {"c": 3}, short)) is None
+    assert _step_budget(runner, scheduler_output({"new": 40}, {}, new=["new"])) is None
+    # A new request padded to decode shape (its placeholder drafts never proposed) is a
+    # prompt request here: it has drafts, so the step stays uncompacted.
+    padded = drafts | {"new": [-1] * K}
+    assert (
+        _step_budget(runner, scheduler_output(counts | {"new": 1 + K}, padded, new=["new"])) is None
+    )
+
+
+def test_mixed_steps_need_compact_verification():
+    from vllm_dspark.config import DSparkOptions
+
+    with pytest.raises(ValueError, match="mixed_steps only applies with dspark_varlen_verify"):
+        DSparkOptions(capacity="sps", mixed_steps=True)
+    assert DSparkOptions(capacity="sps", varlen_verify=True, mixed_steps=True).mixed_steps
+
+
+def test_a_mixed_step_compacts_its_decoding_requests_and_moves_the_prompts_up(plugin_speculator):
+    """Two decoding requests lead the batch (K drafts each), then a prompt chunk of 5
+    tokens: the decoding ones keep 1 + k_r tokens, the prompt's tokens, its one logit and
+    its query offsets move up by the drafts dropped; its sequence length stays."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_dspark.patches import compact_verification as patch
+
+    speculator = plugin_speculator(
+        dspark_capacity="budget",
+        dspark_budget_frac=0.25,
+        dspark_varlen_verify=True,
+        dspark_mixed_steps=True,
+    )
+    decodes, prompt = 2, 5
+    total = decodes * (1 + K) + prompt
+    buffers = InputBuffers(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"))
+    batch = InputBatch.make_dummy(3, total, buffers)
+    buffers.input_ids[:total] = torch.arange(1000, 1000 + total, dtype=torch.int32)
+    computed = [10, 20]
+    positions = [computed[r] + j for r in range(decodes) for j in range(1 + K)]
+    buffers.positions[:total] = torch.tensor(positions + list(range(50, 50 + prompt)))
+    buffers.seq_lens[:3] = torch.tensor([10 + 1 + K, 20 + 1 + K, 55], dtype=torch.int32)
+    query_start_loc = [0, 1 + K, 2 * (1 + K), total]
+    buffers.query_start_loc[:4] = torch.tensor(query_start_loc, dtype=torch.int32)
+    batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)
+    batch.idx_mapping_np = batch.idx_mapping.numpy()
+    batch.req_ids = ["a", "b", "c"]
+    # vLLM's logits: 1 + K per decoding request, the prompt's last token.
+    batch.logits_indices = torch.tensor([*range(decodes * (1 + K)), total - 1])
+    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.slot_survival[2] = torch.full((K,), 0.01)
+    budget = speculator.admission_budget(decodes)  # ceil(2 * 7 * 0.25) = 4
+    assert budget == 4
+    num_tokens = total - (decodes * K - budget)
+    token = patch._mixed_step_var.set((decodes, num_tokens))
+    try:
+        compact = patch.compact_input_batch(runner_with(speculator, buffers), batch, budget)
+    finally:
+        patch._mixed_step_var.reset(token)
+    # Slot 5 verifies its first four drafts, slot 2 none; then the prompt.
+    assert compact.num_tokens == num_tokens == (1 + 4) + 1 + prompt
+    expected_ids = [*range(1000, 1005), 1008, *range(1016, 1016 + prompt)]
+    assert buffers.input_ids[:num_tokens].tolist() == expected_ids
+    assert buffers.positions[:num_tokens].tolist() == [10, 11, 12, 13, 14, 20, *range(50, 55)]
+    assert buffers.query_start_loc[:4].tolist() == [0, 5, 6, 11]
+    assert buffers.seq_lens[:3].tolist() == [10 + 5, 20 + 1, 55]
+    assert compact.logits_indices.tolist() == [0, 1, 2, 3, 4, 5, 10]
+    assert compact.cu_num_logits.tolist() == [0, 5, 6, 7]
+    assert compact.expanded_idx_mapping.tolist() == [5] * 5 + [2, 9]
+    assert compact.expanded_local_pos.tolist() == [0, 1, 2, 3, 4, 0, 0]
+    assert compact.num_draft_tokens == budget
+    # Admission counted over the decoding requests alone.
+    assert speculator.drafts_proposed == decodes * K and speculator.drafts_admitted == budget
+    assert (speculator.compacted_steps, speculator.mixed_steps) == (1, 1)
 
 
 def test_a_step_admitting_every_draft_runs_uncompacted(plugin_speculator):

@@ -29,6 +29,10 @@ no speculation, and do what they are for.
   equal to no speculation's except at near ties, judged as the compacted graphs above, and
   record what acceptance loses against the bf16 drafter.
 
+- with ``dspark_mixed_steps``, at most 16 sequences (the other prompts join as requests
+  finish), steps that carry prompts are compacted too and greedy float32 outputs stay
+  no speculation's.
+
 The float32 tests (``-k lossless``), the bf16 graph test (``-k compacted``) and the FP8
 ones (``-k fp8``, the drafter's among them) start separate engines and can run as three
 processes. Set DSPARK_RESULTS_DIR to also write ``pair_arms.json`` there.
@@ -96,11 +100,23 @@ ARMS = {
         },
         "float32",
     ),
+    # Steps with prompts compacted too: 16 sequences at most, so the 48 other prompts join
+    # one by one as requests finish, most steps carrying a prompt beside the decoding ones.
+    "capacity-mixed": (
+        {
+            "dspark_capacity": "budget",
+            "dspark_budget_frac": 0.5,
+            "dspark_varlen_verify": True,
+            "dspark_mixed_steps": True,
+        },
+        "float32",
+    ),
 }
 # Probe keys beyond the prompts (tests/gpu/llm_probe.py).
 ARM_PROBE_KEYS = {
     "nospec-bf16": {"margins": True},
     "capacity-bf16-piecewise": {"cudagraph_mode": "PIECEWISE"},
+    "capacity-mixed": {"max_num_seqs": 16},
 }
 CAPACITY_ARMS = {
     "budget": {"capacity": "budget", "budget_frac": 0.5},
@@ -209,6 +225,16 @@ class Arms(dict):
 @pytest.fixture(scope="module")
 def arms():
     return Arms()
+
+
+def test_lossless_steps_with_prompts_compact_their_decoding_requests(arms):
+    """dspark_mixed_steps: with requests joining as others finish, steps that carry a
+    prompt verify only the admitted drafts too; greedy float32 outputs stay no
+    speculation's."""
+    mixed = arms["capacity-mixed"]
+    _record("capacity_mixed_steps", {"admission": mixed["admission"], "spec": mixed["spec_decode"]})
+    assert mixed["admission"]["mixed_steps"] > 0, mixed["admission"]
+    assert mixed["token_ids"] == arms["nospec"]["token_ids"]
 
 
 @pytest.mark.parametrize("mode", list(CAPACITY_ARMS))

@@ -100,6 +100,7 @@ SWITCHABLE = frozenset(
         "step_overhead_ms",
         "dynamic_depth",
         "varlen_verify",
+        "mixed_steps",
         "plain_steps",
         "gate_objective",
     }
@@ -230,6 +231,7 @@ class CapacityControl:
         self.drafts_admitted = 0
         self.compacted_steps = 0
         self.graph_steps = 0  # compacted steps replayed from a FULL CUDA graph
+        self.mixed_steps = 0  # compacted steps that also carried prompts (dspark_mixed_steps)
         self.all_drafts = torch.tensor(float(num_drafts))  # K, for full-admission records
         if self.controls_capacity:
             _check_compaction_supported(vllm_config)
@@ -445,8 +447,10 @@ class CapacityControl:
             return 0.0
         return proposal_seconds(self.draft_tables, min(num_reqs, self.max_num_reqs), depth)
 
-    def admission_budget(self, num_reqs: int) -> int:
-        """How many drafts a decode step of ``num_reqs`` requests verifies (host-known)."""
+    def admission_budget(self, num_reqs: int, vary: bool = True) -> int:
+        """How many drafts a step's ``num_reqs`` decoding requests verify (host-known);
+        ``vary``: the step may be one that measures the per-draft time (not one that also
+        carries prompts, whose time the step overhead leaves out)."""
         if not self.drafted_last:
             return 0  # the proposal being verified drafted nothing
         num_drafts = self.num_speculative_steps
@@ -454,7 +458,7 @@ class CapacityControl:
         if self.physical_depth is not None:
             # The drafts being verified were computed to the depth of the last proposal.
             cap = min(cap, num_reqs * self.draft_depth)
-        measuring = self.step_overhead is not None and self.step_overhead.measuring
+        measuring = vary and self.step_overhead is not None and self.step_overhead.measuring
         if self.acceptance is not None:
             # With dynamic depth the proposal computed the depth planned for this step.
             dynamic = self.options.dynamic_depth
@@ -576,14 +580,21 @@ class CapacityControl:
         return budget_capacity(survival, budget)
 
     def record_admission(
-        self, req_ids: list[str], budget: int, from_graph: bool, capacity: torch.Tensor
+        self,
+        req_ids: list[str],
+        budget: int,
+        from_graph: bool,
+        capacity: torch.Tensor,
+        mixed: bool = False,
     ) -> None:
-        """After a compacted step's admission (``capacity``: k_r per request)."""
+        """After a compacted step's admission (``capacity``: k_r per decoding request;
+        ``mixed``: the step also carried prompts)."""
         num_reqs = len(req_ids)
         self.drafts_proposed += num_reqs * self.num_speculative_steps
         self.drafts_admitted += budget
         self.compacted_steps += 1
         self.graph_steps += from_graph
+        self.mixed_steps += mixed
         slot = self.admitted_host[self.compacted_steps % len(self.admitted_host), :num_reqs]
         slot.copy_(capacity, non_blocking=True)
         self.pending_admission = (req_ids, slot)

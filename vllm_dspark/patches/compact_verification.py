@@ -20,8 +20,11 @@ preparation the batch is rewritten on the GPU to the compact layout of
 logits indices and the rejection sampler's per-request draft counts). The target's attention
 must build its metadata from device-side query offsets (FlashAttention or Triton attention;
 start-up refuses others). The slot mappings and attention metadata are then derived by vLLM
-from the compact batch as usual. Steps with prefills, structured output or logprobs run
-unchanged (all K drafts), which is always lossless, and so do steps that admit all K.
+from the compact batch as usual. Steps with prefills run unchanged (all K drafts) unless
+``dspark_mixed_steps``: then their decoding requests, which vLLM sorts first, are
+compacted as above and every prompt's tokens move up by the drafts dropped
+(:func:`_compact_mixed_batch`). Steps with structured output or logprobs run unchanged,
+which is always lossless, and so do steps that admit all K.
 Runners whose speculator has no capacity control are untouched: the wrappers find no
 budget and call vLLM's code. With ``dspark_varlen_verify=false`` a step is masked instead
 (:func:`masked_input_batch`): its uniform forward and graph stay vLLM's, only the logits
@@ -65,6 +68,11 @@ BATCH_MODULE = "vllm.v1.worker.gpu.input_batch"
 COMPACT_GRAPHS_ATTR = "dspark_compact_graphs"
 # The admission budget of the step ``execute_model`` is running, if it is compacted.
 _step_budget_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_budget", default=None)
+# ... and in a step that also carries prompts: (its decoding requests, which lead the
+# batch, and its tokens once compacted).
+_mixed_step_var: ContextVar[tuple[int, int] | None] = ContextVar(
+    "vllm_dspark_mixed_step", default=None
+)
 # ... if it is verified masked instead (dspark_varlen_verify=false): uncompacted.
 _step_mask_var: ContextVar[int | None] = ContextVar("vllm_dspark_step_mask", default=None)
 # While a compact graph's inputs are prepared for capture: its longest query (1 + K).
@@ -73,34 +81,82 @@ _capture_query_len_var: ContextVar[int | None] = ContextVar(
 )
 
 
-def _step_budget(runner, scheduler_output) -> int | None:
-    """B for a step that can be compacted, else None (all K drafts are verified)."""
+def _decoding_requests(runner, scheduler_output) -> list[str] | None:
+    """The requests of a step that decode with their K drafts, when the step can be
+    compacted: every request decodes, or (``dspark_mixed_steps``) every other one carries
+    a prompt and no draft. None otherwise (all K drafts are verified)."""
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
     counts = scheduler_output.num_scheduled_tokens
-    if not counts or scheduler_output.scheduled_new_reqs:
-        # New (or resumed) requests are not in the runner's slots yet, and vLLM pads one
-        # with a single token left to decode-shaped 1 + K: its drafts were never proposed.
+    if not counts or scheduler_output.has_structured_output_requests:
         return None
     drafts = scheduler_output.scheduled_spec_decode_tokens
-    decode_only = all(
-        n == 1 + num_drafts and len(drafts.get(req_id, ())) == num_drafts
+    # New (or resumed) requests are not in the runner's slots yet, and vLLM pads one with
+    # a single token left to decode-shaped 1 + K: its drafts were never proposed.
+    new = {getattr(req, "req_id", req) for req in scheduler_output.scheduled_new_reqs}
+    decoding = [
+        req_id
         for req_id, n in counts.items()
-    )
-    if not decode_only or scheduler_output.has_structured_output_requests:
+        if n == 1 + num_drafts and len(drafts.get(req_id, ())) == num_drafts and req_id not in new
+    ]
+    if not decoding:
         return None
-    slots = np.fromiter(map(runner.req_states.req_id_to_index.get, counts), dtype=np.int32)
+    if len(decoding) < len(counts):
+        leading = set(decoding)
+        prompts = [req_id for req_id in counts if req_id not in leading]
+        if not (speculator.options.mixed_steps and speculator.options.varlen_verify):
+            return None
+        # Compacted, the decoding requests must lead the batch: vLLM sorts the requests
+        # of 1 + K tokens first, so no other may have that many; none may draft.
+        if any(drafts.get(req_id) or counts[req_id] == 1 + num_drafts for req_id in prompts):
+            return None
+        # Logprobs are laid out per request on the host (a new request's too).
+        if any(_wants_logprobs(req) for req in scheduler_output.scheduled_new_reqs):
+            return None
+    old = [req_id for req_id in counts if req_id not in new]
+    slots = np.fromiter(map(runner.req_states.req_id_to_index.get, old), dtype=np.int32)
     if runner.sampler.returns_logprobs(slots):
-        # Logprobs are laid out per request on the host: verify everything this step.
         return None
-    budget = speculator.admission_budget(len(counts))
-    speculator.step_tokens = len(counts) + budget  # what the step verifies, for sps
-    if budget == len(counts) * num_drafts:
-        # Every draft admitted: compaction would be the identity. vLLM's own uniform
-        # step (and its uniform-decode graph) runs the same tokens with less host work.
-        speculator.record_full_admission(len(counts))
+    return decoding
+
+
+def _wants_logprobs(new_request) -> bool:
+    params = getattr(new_request, "sampling_params", None)
+    return params is not None and (
+        params.logprobs is not None or params.prompt_logprobs is not None
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBudget:
+    drafts: int  # B, the drafts the step verifies
+    # In a step that also carries prompts: (its decoding requests, which lead the batch,
+    # and its tokens once compacted); None in a decode-only step.
+    mixed: tuple[int, int] | None = None
+
+
+def _step_budget(runner, scheduler_output) -> StepBudget | None:
+    """B for a step that can be compacted, else None (all K drafts are verified)."""
+    decoding = _decoding_requests(runner, scheduler_output)
+    if decoding is None:
         return None
-    return budget
+    speculator = runner.speculator
+    num_drafts = speculator.num_speculative_steps
+    mixed = len(decoding) < len(scheduler_output.num_scheduled_tokens)
+    budget = speculator.admission_budget(len(decoding), vary=not mixed)
+    if not mixed:  # what the step verifies, for sps (a step with prompts is off its curve)
+        speculator.step_tokens = len(decoding) + budget
+    if budget == len(decoding) * num_drafts:
+        # Every draft admitted: compaction would be the identity. vLLM's own step (and
+        # its uniform-decode graph) runs the same tokens with less host work.
+        speculator.record_full_admission(len(decoding))
+        return None
+    if not mixed:
+        return StepBudget(budget)
+    dropped = len(decoding) * num_drafts - budget
+    return StepBudget(
+        budget, (len(decoding), scheduler_output.total_num_scheduled_tokens - dropped)
+    )
 
 
 def _is_plain_decode(scheduler_output) -> bool:
@@ -124,7 +180,8 @@ def _make_execute_wrapper(execute_model):
             # Timed apart: the draft gate weighs drafting against this step's cost.
             self.speculator.step_tokens = len(scheduler_output.num_scheduled_tokens)
             self.speculator.step_plain = True
-        budget = _step_budget(self, scheduler_output)
+        step = _step_budget(self, scheduler_output)
+        budget = None if step is None else step.drafts
         masked_drafts = self.speculator.masked_step_drafts
         masked = budget is not None and masked_drafts > 0
         if masked:  # the target runs every draft: what the step's forward costs
@@ -132,11 +189,13 @@ def _make_execute_wrapper(execute_model):
             self.speculator.step_tokens = num_reqs * (1 + masked_drafts)
         token = _step_budget_var.set(None if masked else budget)
         mask_token = _step_mask_var.set(budget if masked else None)
+        mixed_token = _mixed_step_var.set(None if step is None or masked else step.mixed)
         try:
             return execute_model(self, scheduler_output, *args, **kwargs)
         finally:
             _step_budget_var.reset(token)
             _step_mask_var.reset(mask_token)
+            _mixed_step_var.reset(mixed_token)
 
     return execute_model_with_compaction
 
@@ -146,6 +205,9 @@ def _make_dispatch_wrapper(dispatch):
         budget = _step_budget_var.get()
         if budget is None:
             return dispatch(manager, num_reqs, num_tokens, uniform_token_count, *args, **kw)
+        mixed = _mixed_step_var.get()
+        if mixed is not None:  # prompts too: vLLM's mixed-batch dispatch, fewer tokens
+            return dispatch(manager, num_reqs, mixed[1], None, *args, **kw)
         num_tokens = num_reqs + budget
         if not kw.get("need_eager") and not kw.get("num_active_loras"):
             graph = pick_compact_graph(
@@ -243,13 +305,14 @@ def emit_room(runner, batch) -> torch.Tensor:
     return (max_len - seq_lens + num_drafts - 1).clamp(min=0)
 
 
-def step_capacity(runner, batch, budget: int) -> torch.Tensor:
-    """k_r of each request of the step (:meth:`CapacityControl.verify_capacity`); the emit
-    room only where the budget is split by survival (``acceptance`` verifies one depth for
-    all and would discard it)."""
+def step_capacity(runner, batch, budget: int, decodes: int | None = None) -> torch.Tensor:
+    """k_r of each decoding request of the step (the first ``decodes``; all when None)
+    (:meth:`CapacityControl.verify_capacity`); the emit room only where the budget is split
+    by survival (``acceptance`` verifies one depth for all and would discard it)."""
     speculator = runner.speculator
-    room = None if speculator.acceptance is not None else emit_room(runner, batch)
-    return speculator.verify_capacity(batch.idx_mapping, budget, room)
+    rows = slice(decodes)
+    room = None if speculator.acceptance is not None else emit_room(runner, batch)[rows]
+    return speculator.verify_capacity(batch.idx_mapping[rows], budget, room)
 
 
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
@@ -257,6 +320,9 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     (``from_graph``: the step replays a FULL graph, counted for the metrics). On a GPU one
     Triton kernel writes it (:mod:`vllm_dspark.verify.compaction_kernel`); elsewhere the
     PyTorch layout of :mod:`vllm_dspark.verify.compaction` does."""
+    mixed = _mixed_step_var.get()
+    if mixed is not None:
+        return _compact_mixed_batch(runner, batch, budget, *mixed)
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
     num_reqs = batch.num_reqs
@@ -304,6 +370,59 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     )
 
 
+def _compact_mixed_batch(runner, batch, budget: int, decodes: int, num_tokens: int):
+    """A step with prompts (``dspark_mixed_steps``): its ``decodes`` decoding requests lead
+    the batch (vLLM sorts the requests of 1 + K tokens first) and are compacted as a
+    decode-only step's; every later request's tokens (a prompt chunk, no drafts, one
+    logit at its last token) move up by the drafts dropped. ``num_tokens``: the step's
+    tokens once compacted, known on the host. Eager, in PyTorch: a step with prompts
+    replays no FULL graph."""
+    speculator = runner.speculator
+    num_drafts = speculator.num_speculative_steps
+    num_reqs, buffers = batch.num_reqs, runner.input_buffers
+    capacity = step_capacity(runner, batch, budget, decodes)
+    layout = compact_layout(capacity, num_drafts, decodes + budget)
+    uniform = decodes * (1 + num_drafts)  # the decoding requests' tokens, uncompacted
+    shift = uniform - (decodes + budget)  # the drafts dropped
+    device = layout.source.device
+    tail = torch.arange(uniform, num_tokens + shift, device=device)
+    source = torch.cat([layout.source, tail])
+    # Gathered first, then written back: source and destination overlap.
+    input_ids = buffers.input_ids.index_select(0, source)
+    positions = buffers.positions.index_select(0, source)
+    buffers.input_ids[:num_tokens].copy_(input_ids)
+    buffers.positions[:num_tokens].copy_(positions)
+    query_start_loc = buffers.query_start_loc
+    query_start_loc[decodes + 1 : num_reqs + 1] -= shift
+    query_start_loc[: decodes + 1].copy_(layout.query_start_loc)
+    query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
+    seq_lens = buffers.seq_lens[:decodes]
+    seq_lens.copy_(compact_seq_lens(seq_lens, layout))
+    # One logit per prompt request (vLLM's, at its last token), after the decoding ones.
+    prompt_logits = batch.logits_indices[uniform:] - shift
+    num_prompts = num_reqs - decodes
+    cu_num_logits = torch.cat(
+        [layout.query_start_loc, decodes + budget + torch.arange(1, num_prompts + 1, device=device)]
+    ).to(torch.int32)
+    return _admitted_batch(
+        speculator,
+        batch,
+        budget,
+        False,
+        capacity,
+        decodes,
+        num_tokens=num_tokens,
+        expanded_idx_mapping=torch.cat(
+            [batch.idx_mapping[:decodes][layout.request], batch.idx_mapping[decodes:]]
+        ),
+        expanded_local_pos=torch.cat(
+            [layout.offset, torch.zeros(num_prompts, dtype=torch.int64, device=device)]
+        ).to(torch.int32),
+        logits_indices=torch.cat([torch.arange(decodes + budget, device=device), prompt_logits]),
+        cu_num_logits=cu_num_logits,
+    )
+
+
 def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
     """``dspark_varlen_verify=false``: the stock uniform batch, whose forward runs every
     draft, with only the admitted ones verified (the logits of each request's first
@@ -329,10 +448,14 @@ def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
     )
 
 
-def _admitted_batch(speculator, batch, budget: int, from_graph: bool, capacity, **layout):
-    """``batch`` verifying ``budget`` admitted drafts (k_r: ``capacity``) in ``layout``'s
-    fields, its admission recorded for the metrics."""
-    speculator.record_admission(batch.req_ids, budget, from_graph, capacity)
+def _admitted_batch(
+    speculator, batch, budget: int, from_graph: bool, capacity, decodes=None, **layout
+):
+    """``batch`` verifying ``budget`` admitted drafts (k_r: ``capacity``, of its first
+    ``decodes`` requests; all when None) in ``layout``'s fields, its admission recorded
+    for the metrics."""
+    mixed = decodes is not None
+    speculator.record_admission(batch.req_ids[:decodes], budget, from_graph, capacity, mixed)
     return dataclasses.replace(
         batch,
         num_draft_tokens=budget,
