@@ -22,7 +22,12 @@ started with what they all need and switched between arms
 (:mod:`vllm_dspark.engine_control`); their rows name that engine.
 After its timed repeats each concurrency runs the first repeat's first wave once more,
 untimed, and records it step by step (``timeline``: when every request had its first
-token, when half had finished, the last token; :func:`step_timeline`).
+token, when half had finished, the last token; :func:`step_timeline`; with speculation,
+``decode_steps``: what capacity control decided in each decode step).
+``--refill N`` measures steady load instead of one batch: each wave submits N x c
+requests to engines that run at most c at once, so requests join as others finish and
+most steps carry a prompt beside the decoding requests (what ``dspark_mixed_steps``
+compacts), as in a server under load.
 ``--num-drafts`` sets K for every speculating arm (dummy shapes; default 7).
 ``--tensor-parallel-size`` runs every engine on that many GPUs; each speculating row
 then says whether every rank's admissions were identical (``ranks_agree``: the ranks
@@ -197,10 +202,12 @@ def engine_kwargs(
     graphs_to: int | None = None,
     tensor_parallel_size: int = 1,
     max_num_batched_tokens: int | None = None,
+    max_num_seqs: int = 256,
 ) -> dict:
     """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
     capture CUDA graphs up to that many tokens per step instead of vLLM's 512;
-    ``max_num_batched_tokens``: vLLM's (default: its own, 16,384 offline on an H100/H200)."""
+    ``max_num_batched_tokens``: vLLM's (default: its own, 16,384 offline on an H100/H200);
+    ``max_num_seqs``: the requests the engine runs at once (``--refill``: the concurrency)."""
     kwargs = dict(
         model=target,
         tensor_parallel_size=tensor_parallel_size,
@@ -208,7 +215,7 @@ def engine_kwargs(
         skip_tokenizer_init=dummy,
         dtype="bfloat16",
         max_model_len=2048,
-        max_num_seqs=256,
+        max_num_seqs=max_num_seqs,
         gpu_memory_utilization=0.85,
         seed=0,
         disable_log_stats=False,
@@ -322,6 +329,7 @@ def run_arm_here(spec: dict) -> None:
             spec.get("graphs_to"),
             spec.get("tensor_parallel_size", 1),
             spec.get("max_num_batched_tokens"),
+            spec.get("max_num_seqs", 256),
         ),
         speculative_config=speculative,
     )
@@ -369,17 +377,20 @@ def run_arm_here(spec: dict) -> None:
             llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
             before = counters()
             tok_s = []
+            # --refill: a wave submits refill x concurrency requests to an engine that runs
+            # ``concurrency`` at once; waiting ones join as others finish.
+            per_wave = concurrency * spec.get("refill", 1)
             # Below min_requests, a repeat is several waves of ``concurrency`` requests one
             # after another: one 128-token request verifies too few drafts for its
             # acceptance (and so its throughput) to be more than noise.
-            waves = -(-spec["min_requests"] // concurrency)
+            waves = -(-spec["min_requests"] // per_wave)
             for repeat in range(spec["repeats"]):
                 tokens, seconds = 0, 0.0
                 for wave in range(waves):
                     # Offsets 7 apart: no prompt starts like an earlier one's (no cache).
                     offset = concurrency + 7 * (repeat * waves + wave)
-                    batch = prompts(concurrency, offset)
-                    seeded = seeded_params(spec["output_len"], concurrency, offset)
+                    batch = prompts(per_wave, offset)
+                    seeded = seeded_params(spec["output_len"], per_wave, offset)
                     start = time.perf_counter()
                     outputs = llm.generate(batch, seeded, use_tqdm=False)
                     seconds += time.perf_counter() - start
@@ -401,8 +412,8 @@ def run_arm_here(spec: dict) -> None:
             with step_timeline(llm) as timeline:
                 offset = concurrency  # repeat 0, wave 0
                 llm.generate(
-                    prompts(concurrency, offset),
-                    seeded_params(spec["output_len"], concurrency, offset),
+                    prompts(per_wave, offset),
+                    seeded_params(spec["output_len"], per_wave, offset),
                     use_tqdm=False,
                 )
             decisions = trace_steps(llm, False) if speculating else None
@@ -422,8 +433,10 @@ def run_arm_here(spec: dict) -> None:
                 "spec_decode": asdict(counts),
                 "engine_start_s": engine_start_s,
                 "wall_s": round(time.monotonic() - measuring, 1),
-                "timeline": timeline_summary(timeline, concurrency),
+                "timeline": timeline_summary(timeline, per_wave),
             }
+            if spec.get("refill"):
+                row["refill"] = spec["refill"]
             if decisions:
                 row["timeline"]["decode_steps"] = decisions
             if speculating and len(per_rank) > 1:
@@ -614,6 +627,14 @@ def main() -> int:
         "on the H200, 47bc5ae: the first step takes the few prompts already arrived)",
     )
     parser.add_argument(
+        "--refill",
+        type=int,
+        help="steady load instead of one batch: each wave submits REFILL x concurrency "
+        "requests to engines that run at most the concurrency at once (max_num_seqs), so "
+        "waiting requests join as others finish and most steps carry a prompt beside the "
+        "decoding requests, as in a server under load (one concurrency)",
+    )
+    parser.add_argument(
         "--bracket",
         action="store_true",
         help="run the first engine again after the others: its two runs' rows (bracket "
@@ -627,6 +648,9 @@ def main() -> int:
         return 0
 
     check_num_drafts(parser, args)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.refill and len(concurrencies) != 1:
+        parser.error("--refill: one concurrency (it is the engines' max_num_seqs)")
     if args.pair == "embedded":
         from vllm_dspark.demo import EMBEDDED_PAIR
 
@@ -660,7 +684,7 @@ def main() -> int:
             "num_drafts": args.num_drafts,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
-            "concurrency": [int(c) for c in args.concurrency.split(",")],
+            "concurrency": concurrencies,
             "graphs_to": args.graphs_to,
             "repeats": args.repeats,
             "min_requests": args.min_requests,
@@ -668,6 +692,8 @@ def main() -> int:
             "tensor_parallel_size": args.tensor_parallel_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
         }
+        if args.refill:
+            spec |= {"refill": args.refill, "max_num_seqs": concurrencies[0]}
         context = {"setup": setup, "arm": label, **({"engine": label} if switch else {}), **bracket}
         keep = functools.partial(keep_row, rows, failed, args.out, context)
         returncode, errors = run_engine(spec, args.out, keep)

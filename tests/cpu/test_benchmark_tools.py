@@ -512,6 +512,49 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
     assert len({tuple(p[:16]) for p in timed}) == len(timed)
 
 
+def test_offline_sweep_refill_submits_several_batches_to_an_engine_of_the_concurrency(
+    fake_llm, monkeypatch, capsys
+):
+    """--refill 3 at concurrency 2: the engine runs 2 requests at once (max_num_seqs) and
+    each wave submits 6, so that waiting requests join as others finish."""
+    import offline_sweep
+
+    engines = []
+
+    class Recording(fake_llm):
+        def __init__(self, **kwargs):
+            engines.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", Recording)
+    clock = iter(range(100))
+    monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: float(next(clock)))
+    spec = {
+        "options": None,
+        "target": "t",
+        "dummy": True,
+        "prompt_len": 8,
+        "output_len": 10,
+        "concurrency": [2],
+        "repeats": 2,
+        "min_requests": 12,
+        "prompts": "arithmetic",
+        "switch": None,
+        "refill": 3,
+        "max_num_seqs": 2,
+    }
+    offline_sweep.run_arm_here(spec)
+    row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
+    assert engines[0]["max_num_seqs"] == 2
+    # Warm-ups (8, 2, 2), per repeat two waves of 6, the timeline's wave of 6.
+    assert [len(batch) for batch in Recording.batches] == [8, 2, 2] + [6] * 4 + [6]
+    # Per repeat 2 waves x 6 requests x 10 tokens, each wave 1 s on the fake clock.
+    assert row["refill"] == 3 and row["tok_s_repeats"] == [60.0, 60.0]
+    monkeypatch.setattr(sys, "argv", ["offline_sweep.py", "--refill", "2", "--out", "o.json"])
+    with pytest.raises(SystemExit):  # four concurrencies, one engine size
+        offline_sweep.main()
+
+
 def test_dynamic_sd_table_takes_the_best_k_per_batch_size_as_dynamic_sd_runs_it():
     from tune_dynamic_sd import dynamic_sd_ratios, table_from_ratios
 
