@@ -139,6 +139,11 @@ ARMS = {
     # ... drafting as cheaply as the plugin can: FP8 layers and heads over part of the
     # vocabulary (an engine of its own).
     "sps-depth-plain-lean": SPS_DEPTH_PLAIN | LEAN_DRAFTING | {"dspark_fp8_markov_head": True},
+    # ... whose steps with prompts verify only the admitted drafts too (--refill: with
+    # --shared-engine, switched in sps-depth-plain-lean's engine).
+    "sps-depth-plain-lean-mixed": SPS_DEPTH_PLAIN
+    | LEAN_DRAFTING
+    | {"dspark_fp8_markov_head": True, "dspark_mixed_steps": True},
     # ... drafting over part of the vocabulary (an engine of its own).
     "sps-depth-plain-vocab": SPS_DEPTH_PLAIN | {"dspark_draft_vocab": DRAFT_VOCAB},
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
@@ -176,6 +181,7 @@ ARMS = {
     "dflash-depth-plain-lean": DFLASH_DEPTH_PLAIN | LEAN_DRAFTING,
     # ... without plain steps (with --shared-engine, one engine for both: same cuts).
     "dflash-depth-lean": DFLASH_DEPTH | LEAN_DRAFTING,
+    "dflash-depth-lean-mixed": DFLASH_DEPTH | LEAN_DRAFTING | {"dspark_mixed_steps": True},
     # dflash-lean's fixed depth switched to in the controller's engine (--shared-engine):
     # at 1 and 16 requests engines of their own differed by as much as the controller
     # could (47bc5ae, H200: a first token 16.9 against 19.7 ms on average at one request,
