@@ -476,29 +476,32 @@ def test_offline_sweep_compares_every_ranks_admissions(fake_llm, monkeypatch, ca
     assert rows[1]["timeline"]["decode_steps"] == [[2, 3, 2, 1.5, 10.0, 0.0]]
 
 
-def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
-    fake_llm, monkeypatch, capsys
-):
+@pytest.fixture
+def timed_arm(monkeypatch):
+    """run_arm_here on the fake clock (each wave takes 1 s), for one engine without
+    speculation at concurrency 2, two repeats; ``overrides`` change the spec."""
     import offline_sweep
 
-    from vllm_dspark.demo import load_prompts
-
-    batches = fake_llm.batches
     clock = iter(range(100))
     monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: float(next(clock)))
     spec = {
         "options": None,
         "target": "t",
-        "dummy": False,
-        "prompt_len": 100,
         "output_len": 10,
         "concurrency": [2],
         "repeats": 2,
-        "min_requests": 5,
-        "prompts": "heldout",
         "switch": None,
     }
-    offline_sweep.run_arm_here(spec)
+    return lambda **overrides: offline_sweep.run_arm_here(spec | overrides)
+
+
+def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
+    fake_llm, timed_arm, capsys
+):
+    from vllm_dspark.demo import load_prompts
+
+    batches = fake_llm.batches
+    timed_arm(dummy=False, prompt_len=100, min_requests=5, prompts="heldout")
     row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
     # Three warm-ups, then per repeat ceil(5 / 2) = 3 waves of 2 requests, each wave 1 s
     # on the fake clock: 60 tokens in 3 s.
@@ -513,7 +516,7 @@ def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
 
 
 def test_offline_sweep_refill_submits_several_batches_to_an_engine_of_the_concurrency(
-    fake_llm, monkeypatch, capsys
+    fake_llm, timed_arm, monkeypatch, capsys
 ):
     """--refill 3 at concurrency 2: the engine runs 2 requests at once (max_num_seqs) and
     each wave submits 6, so that waiting requests join as others finish."""
@@ -527,23 +530,9 @@ def test_offline_sweep_refill_submits_several_batches_to_an_engine_of_the_concur
             super().__init__(**kwargs)
 
     monkeypatch.setattr(sys.modules["vllm"], "LLM", Recording)
-    clock = iter(range(100))
-    monkeypatch.setattr(offline_sweep.time, "perf_counter", lambda: float(next(clock)))
-    spec = {
-        "options": None,
-        "target": "t",
-        "dummy": True,
-        "prompt_len": 8,
-        "output_len": 10,
-        "concurrency": [2],
-        "repeats": 2,
-        "min_requests": 12,
-        "prompts": "arithmetic",
-        "switch": None,
-        "refill": 3,
-        "max_num_seqs": 2,
-    }
-    offline_sweep.run_arm_here(spec)
+    timed_arm(
+        dummy=True, prompt_len=8, min_requests=12, prompts="arithmetic", refill=3, max_num_seqs=2
+    )
     row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
     assert engines[0]["max_num_seqs"] == 2
     # Warm-ups (8, 2, 2), per repeat two waves of 6, the timeline's wave of 6.
