@@ -227,7 +227,7 @@ def arms():
     return Arms()
 
 
-def test_lossless_steps_with_prompts_compact_their_decoding_requests(arms):
+def test_lossless_mixed_steps_compact_their_decoding_requests(arms):
     """dspark_mixed_steps: with requests joining as others finish, steps that carry a
     prompt verify only the admitted drafts too; greedy float32 outputs stay no
     speculation's."""
