@@ -267,49 +267,74 @@ def test_mixed_steps_need_compact_verification():
     assert DSparkOptions(capacity="sps", varlen_verify=True, mixed_steps=True).mixed_steps
 
 
-def test_a_mixed_step_compacts_its_decoding_requests_and_moves_the_prompts_up(plugin_speculator):
-    """Two decoding requests lead the batch (K drafts each), then a prompt chunk of 5
-    tokens: the decoding ones keep 1 + k_r tokens, the prompt's tokens, its one logit and
-    its query offsets move up by the drafts dropped; its sequence length stays."""
-    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
-
-    from vllm_dspark.patches import compact_verification as patch
-
-    speculator = plugin_speculator(
+@pytest.fixture
+def mixed_speculator(plugin_speculator):
+    return plugin_speculator(
         dspark_capacity="budget",
         dspark_budget_frac=0.25,
         dspark_varlen_verify=True,
         dspark_mixed_steps=True,
     )
-    decodes, prompt = 2, 5
-    total = decodes * (1 + K) + prompt
+
+
+def compact_mixed(speculator, computed: list[int], prompts: list[tuple[int, int]], slots):
+    """A stock mixed batch, as vLLM lays it out (the decoding requests first, 1 + K tokens
+    and logits each, then each prompt chunk (computed, length) with one logit at its last
+    token; input ids 1000, 1001, ...), compacted by the admission budget. Returns the
+    compact batch, the buffers and the stock per-request (ids, positions, seq_len)."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_dspark.patches import compact_verification as patch
+
+    decodes, num_reqs = len(computed), len(computed) + len(prompts)
+    lengths = [1 + K] * decodes + [n for _, n in prompts]
+    starts = [*np.cumsum([0, *lengths])]
+    total = starts[-1]
     buffers = InputBuffers(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"))
-    batch = InputBatch.make_dummy(3, total, buffers)
+    batch = InputBatch.make_dummy(num_reqs, total, buffers)
     buffers.input_ids[:total] = torch.arange(1000, 1000 + total, dtype=torch.int32)
-    computed = [10, 20]
-    positions = [computed[r] + j for r in range(decodes) for j in range(1 + K)]
-    buffers.positions[:total] = torch.tensor(positions + list(range(50, 50 + prompt)))
-    buffers.seq_lens[:3] = torch.tensor([10 + 1 + K, 20 + 1 + K, 55], dtype=torch.int32)
-    query_start_loc = [0, 1 + K, 2 * (1 + K), total]
-    buffers.query_start_loc[:4] = torch.tensor(query_start_loc, dtype=torch.int32)
-    batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)
+    firsts = [*computed, *(c for c, _ in prompts)]
+    positions = [firsts[r] + j for r in range(num_reqs) for j in range(lengths[r])]
+    buffers.positions[:total] = torch.tensor(positions)
+    seq_lens = [firsts[r] + lengths[r] for r in range(num_reqs)]
+    buffers.seq_lens[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int32)
+    buffers.query_start_loc[: num_reqs + 1] = torch.tensor(starts, dtype=torch.int32)
+    batch.idx_mapping = torch.tensor(slots, dtype=torch.int32)
     batch.idx_mapping_np = batch.idx_mapping.numpy()
-    batch.req_ids = ["a", "b", "c"]
-    # vLLM's logits: 1 + K per decoding request, the prompt's last token.
-    batch.logits_indices = torch.tensor([*range(decodes * (1 + K)), total - 1])
-    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
-    speculator.slot_survival[2] = torch.full((K,), 0.01)
-    budget = speculator.admission_budget(decodes)  # ceil(2 * 7 * 0.25) = 4
-    assert budget == 4
+    batch.req_ids = [f"r{r}" for r in range(num_reqs)]
+    batch.logits_indices = torch.tensor(
+        [*range(decodes * (1 + K)), *(starts[r + 1] - 1 for r in range(decodes, num_reqs))]
+    )
+    stock = [
+        (
+            list(range(1000 + starts[r], 1000 + starts[r + 1])),
+            positions[starts[r] : starts[r + 1]],
+            seq_lens[r],
+        )
+        for r in range(num_reqs)
+    ]
+    budget = speculator.admission_budget(decodes)
     num_tokens = total - (decodes * K - budget)
     token = patch._mixed_step_var.set((decodes, num_tokens))
     try:
         compact = patch.compact_input_batch(runner_with(speculator, buffers), batch, budget)
     finally:
         patch._mixed_step_var.reset(token)
-    # Slot 5 verifies its first four drafts, slot 2 none; then the prompt.
-    assert compact.num_tokens == num_tokens == (1 + 4) + 1 + prompt
-    expected_ids = [*range(1000, 1005), 1008, *range(1016, 1016 + prompt)]
+    return compact, buffers, stock
+
+
+def test_a_mixed_step_compacts_its_decoding_requests_and_moves_the_prompts_up(mixed_speculator):
+    """Two decoding requests lead the batch (K drafts each), then a prompt chunk of 5
+    tokens: the decoding ones keep 1 + k_r tokens, the prompt's tokens, its one logit and
+    its query offsets move up by the drafts dropped; its sequence length stays."""
+    speculator = mixed_speculator
+    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.slot_survival[2] = torch.full((K,), 0.01)
+    # ceil(2 * 7 * 0.25) = 4 drafts: slot 5's first four, none of slot 2's.
+    compact, buffers, _ = compact_mixed(speculator, [10, 20], [(50, 5)], [5, 2, 9])
+    num_tokens = (1 + 4) + 1 + 5
+    assert compact.num_tokens == num_tokens
+    expected_ids = [*range(1000, 1005), 1008, *range(1016, 1021)]
     assert buffers.input_ids[:num_tokens].tolist() == expected_ids
     assert buffers.positions[:num_tokens].tolist() == [10, 11, 12, 13, 14, 20, *range(50, 55)]
     assert buffers.query_start_loc[:4].tolist() == [0, 5, 6, 11]
@@ -318,10 +343,51 @@ def test_a_mixed_step_compacts_its_decoding_requests_and_moves_the_prompts_up(pl
     assert compact.cu_num_logits.tolist() == [0, 5, 6, 7]
     assert compact.expanded_idx_mapping.tolist() == [5] * 5 + [2, 9]
     assert compact.expanded_local_pos.tolist() == [0, 1, 2, 3, 4, 0, 0]
-    assert compact.num_draft_tokens == budget
+    assert compact.num_draft_tokens == 4
     # Admission counted over the decoding requests alone.
-    assert speculator.drafts_proposed == decodes * K and speculator.drafts_admitted == budget
+    assert speculator.drafts_proposed == 2 * K and speculator.drafts_admitted == 4
     assert (speculator.compacted_steps, speculator.mixed_steps) == (1, 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_mixed_batch_keeps_each_requests_leading_tokens_in_order(mixed_speculator, seed):
+    """Random mixed batches: request r keeps the first 1 + k_r of its stock tokens
+    (decoding, sum k_r the budget) or all of them (prompt chunk), in batch order, with
+    their positions; logits at every kept token of a decoding request and at a prompt's
+    last; sequence lengths short by the drafts dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    decodes = int(torch.randint(1, 6, (1,), generator=gen))
+    prompts = [
+        (
+            int(torch.randint(0, 40, (1,), generator=gen)),
+            int(torch.randint(1, 30, (1,), generator=gen)),
+        )
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen)))
+    ]
+    slots = torch.randperm(16, generator=gen)[: decodes + len(prompts)].tolist()
+    survival = torch.rand(16, K, generator=gen).sort(dim=1, descending=True).values
+    mixed_speculator.slot_survival[:16] = survival
+    computed = torch.randint(0, 50, (decodes,), generator=gen).tolist()
+    compact, buffers, stock = compact_mixed(mixed_speculator, computed, prompts, slots)
+    kept = (compact.cu_num_logits[1:] - compact.cu_num_logits[:-1]).tolist()
+    k = [n - 1 for n in kept[:decodes]]
+    assert sum(k) == mixed_speculator.admission_budget(decodes) and max(k) <= K
+    assert kept[decodes:] == [1] * len(prompts)
+    lengths = [1 + k_r for k_r in k] + [len(ids) for ids, _, _ in stock[decodes:]]
+    ids = [t for (tokens, _, _), n in zip(stock, lengths, strict=True) for t in tokens[:n]]
+    pos = [p for (_, where, _), n in zip(stock, lengths, strict=True) for p in where[:n]]
+    assert compact.num_tokens == len(ids)
+    assert buffers.input_ids[: len(ids)].tolist() == ids
+    assert buffers.positions[: len(ids)].tolist() == pos
+    starts = [0, *np.cumsum(lengths)]
+    assert buffers.query_start_loc[: len(starts)].tolist() == starts
+    dropped = [K - k_r for k_r in k] + [0] * len(prompts)
+    expected_lens = [seq_len - d for (_, _, seq_len), d in zip(stock, dropped, strict=True)]
+    assert buffers.seq_lens[: len(stock)].tolist() == expected_lens
+    logits = [*range(starts[decodes]), *(starts[r + 1] - 1 for r in range(decodes, len(stock)))]
+    assert compact.logits_indices.tolist() == logits
+    rows = [r for r, n in enumerate(kept) for _ in range(n)]
+    assert compact.expanded_idx_mapping.tolist() == [slots[r] for r in rows]
 
 
 def test_a_step_admitting_every_draft_runs_uncompacted(plugin_speculator):
