@@ -23,7 +23,7 @@ start-up refuses others). The slot mappings and attention metadata are then deri
 from the compact batch as usual. Steps with prefills run unchanged (all K drafts) unless
 ``dspark_mixed_steps``: then their decoding requests, which vLLM sorts first, are
 compacted as above and every prompt's tokens move up by the drafts dropped
-(:func:`_compact_mixed_batch`). Steps with structured output or logprobs run unchanged,
+(:func:`compact_input_batch`). Steps with structured output or logprobs run unchanged,
 which is always lossless, and so do steps that admit all K.
 Runners whose speculator has no capacity control are untouched: the wrappers find no
 budget and call vLLM's code. With ``dspark_varlen_verify=false`` a step is masked instead
@@ -316,20 +316,22 @@ def step_capacity(runner, batch, budget: int, decodes: int | None = None) -> tor
 
 
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
-    """The stock uniform batch rewritten to its compact layout of R + budget tokens
-    (``from_graph``: the step replays a FULL graph, counted for the metrics). On a GPU one
-    Triton kernel writes it (:mod:`vllm_dspark.verify.compaction_kernel`); elsewhere the
-    PyTorch layout of :mod:`vllm_dspark.verify.compaction` does."""
-    mixed = _mixed_step_var.get()
-    if mixed is not None:
-        return _compact_mixed_batch(runner, batch, budget, *mixed)
+    """The stock batch rewritten to its compact layout (``from_graph``: the step replays a
+    FULL graph, counted for the metrics): each decoding request keeps 1 + k_r tokens,
+    R + budget in a decode-only step. In a step that also carries prompts
+    (``dspark_mixed_steps``) the decoding requests lead the batch (vLLM sorts the requests
+    of 1 + K tokens first) and every later request's tokens (a prompt chunk, no drafts,
+    one logit at its last token) move up by the drafts dropped; its token count is known
+    on the host. On a GPU one Triton kernel writes a decode-only step; elsewhere, and for
+    steps with prompts (which replay no FULL graph), the PyTorch layout of
+    :mod:`vllm_dspark.verify.compaction` does."""
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
-    num_reqs = batch.num_reqs
-    num_tokens = num_reqs + budget
-    buffers = runner.input_buffers
-    capacity = step_capacity(runner, batch, budget)
-    if use_triton(buffers.input_ids):
+    num_reqs, buffers = batch.num_reqs, runner.input_buffers
+    mixed = _mixed_step_var.get()
+    decodes, num_tokens = mixed or (num_reqs, num_reqs + budget)
+    capacity = step_capacity(runner, batch, budget, decodes)
+    if mixed is None and use_triton(buffers.input_ids):
         expanded_idx, local_pos, logits_indices = compact_on_device(
             capacity,
             num_drafts,
@@ -341,84 +343,44 @@ def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
             buffers.seq_lens,
             speculator.max_num_reqs,
         )
+        cu_num_logits = buffers.query_start_loc[: num_reqs + 1].clone()
     else:
-        layout = compact_layout(capacity, num_drafts, num_tokens)
-        uniform = num_reqs * (1 + num_drafts)
+        layout = compact_layout(capacity, num_drafts, decodes + budget)
+        uniform = decodes * (1 + num_drafts)  # the decoding requests' tokens, uncompacted
+        shift = uniform - (decodes + budget)  # the drafts dropped
+        device = layout.source.device
         # Gathered first, then written back: source and destination overlap.
-        input_ids = compact_tokens(buffers.input_ids[:uniform], layout)
-        positions = compact_tokens(buffers.positions[:uniform], layout)
-        buffers.input_ids[:num_tokens].copy_(input_ids)
-        buffers.positions[:num_tokens].copy_(positions)
-        buffers.query_start_loc[: num_reqs + 1].copy_(layout.query_start_loc)
-        buffers.query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
-        seq_lens = buffers.seq_lens[:num_reqs]
+        for values in (buffers.input_ids, buffers.positions):
+            kept = [compact_tokens(values[:uniform], layout), values[uniform : num_tokens + shift]]
+            values[:num_tokens].copy_(torch.cat(kept))
+        query_start_loc = buffers.query_start_loc
+        query_start_loc[decodes + 1 : num_reqs + 1] -= shift
+        query_start_loc[: decodes + 1].copy_(layout.query_start_loc)
+        query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
+        seq_lens = buffers.seq_lens[:decodes]
         seq_lens.copy_(compact_seq_lens(seq_lens, layout))
-        expanded_idx = batch.idx_mapping[layout.request]
-        local_pos = layout.offset.to(torch.int32)
-        logits_indices = torch.arange(num_tokens, device=layout.source.device)
+        # One logit per prompt request (vLLM's, at its last token), after the decoding ones.
+        prompts = torch.arange(1, num_reqs - decodes + 1, device=device)
+        cu_num_logits = torch.cat([layout.query_start_loc, decodes + budget + prompts])
+        cu_num_logits = cu_num_logits.to(torch.int32)
+        logits_indices = torch.cat(
+            [torch.arange(decodes + budget, device=device), batch.logits_indices[uniform:] - shift]
+        )
+        expanded_idx = torch.cat(
+            [batch.idx_mapping[:decodes][layout.request], batch.idx_mapping[decodes:]]
+        )
+        local_pos = torch.cat([layout.offset, torch.zeros_like(prompts)]).to(torch.int32)
     return _admitted_batch(
         speculator,
         batch,
         budget,
         from_graph,
         capacity,
+        decodes,
         num_tokens=num_tokens,
         expanded_idx_mapping=expanded_idx,
         expanded_local_pos=local_pos,
         logits_indices=logits_indices,
-        cu_num_logits=buffers.query_start_loc[: num_reqs + 1].clone(),
-    )
-
-
-def _compact_mixed_batch(runner, batch, budget: int, decodes: int, num_tokens: int):
-    """A step with prompts (``dspark_mixed_steps``): its ``decodes`` decoding requests lead
-    the batch (vLLM sorts the requests of 1 + K tokens first) and are compacted as a
-    decode-only step's; every later request's tokens (a prompt chunk, no drafts, one
-    logit at its last token) move up by the drafts dropped. ``num_tokens``: the step's
-    tokens once compacted, known on the host. Eager, in PyTorch: a step with prompts
-    replays no FULL graph."""
-    speculator = runner.speculator
-    num_drafts = speculator.num_speculative_steps
-    num_reqs, buffers = batch.num_reqs, runner.input_buffers
-    capacity = step_capacity(runner, batch, budget, decodes)
-    layout = compact_layout(capacity, num_drafts, decodes + budget)
-    uniform = decodes * (1 + num_drafts)  # the decoding requests' tokens, uncompacted
-    shift = uniform - (decodes + budget)  # the drafts dropped
-    device = layout.source.device
-    tail = torch.arange(uniform, num_tokens + shift, device=device)
-    source = torch.cat([layout.source, tail])
-    # Gathered first, then written back: source and destination overlap.
-    input_ids = buffers.input_ids.index_select(0, source)
-    positions = buffers.positions.index_select(0, source)
-    buffers.input_ids[:num_tokens].copy_(input_ids)
-    buffers.positions[:num_tokens].copy_(positions)
-    query_start_loc = buffers.query_start_loc
-    query_start_loc[decodes + 1 : num_reqs + 1] -= shift
-    query_start_loc[: decodes + 1].copy_(layout.query_start_loc)
-    query_start_loc[num_reqs + 1 :].fill_(num_tokens)  # non-decreasing padding
-    seq_lens = buffers.seq_lens[:decodes]
-    seq_lens.copy_(compact_seq_lens(seq_lens, layout))
-    # One logit per prompt request (vLLM's, at its last token), after the decoding ones.
-    prompt_logits = batch.logits_indices[uniform:] - shift
-    num_prompts = num_reqs - decodes
-    cu_num_logits = torch.cat(
-        [layout.query_start_loc, decodes + budget + torch.arange(1, num_prompts + 1, device=device)]
-    ).to(torch.int32)
-    return _admitted_batch(
-        speculator,
-        batch,
-        budget,
-        False,
-        capacity,
-        decodes,
-        num_tokens=num_tokens,
-        expanded_idx_mapping=torch.cat(
-            [batch.idx_mapping[:decodes][layout.request], batch.idx_mapping[decodes:]]
-        ),
-        expanded_local_pos=torch.cat(
-            [layout.offset, torch.zeros(num_prompts, dtype=torch.int64, device=device)]
-        ).to(torch.int32),
-        logits_indices=torch.cat([torch.arange(decodes + budget, device=device), prompt_logits]),
         cu_num_logits=cu_num_logits,
     )
 
@@ -441,6 +403,7 @@ def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
         budget,
         from_graph,
         capacity,
+        batch.num_reqs,
         expanded_idx_mapping=batch.idx_mapping[layout.request],
         expanded_local_pos=layout.offset.to(torch.int32),
         logits_indices=batch.logits_indices[layout.source],
@@ -449,12 +412,12 @@ def masked_input_batch(runner, batch, budget: int, from_graph: bool = False):
 
 
 def _admitted_batch(
-    speculator, batch, budget: int, from_graph: bool, capacity, decodes=None, **layout
+    speculator, batch, budget: int, from_graph: bool, capacity, decodes: int, **layout
 ):
     """``batch`` verifying ``budget`` admitted drafts (k_r: ``capacity``, of its first
-    ``decodes`` requests; all when None) in ``layout``'s fields, its admission recorded
-    for the metrics."""
-    mixed = decodes is not None
+    ``decodes`` requests; the others carry prompts) in ``layout``'s fields, its admission
+    recorded for the metrics."""
+    mixed = decodes < batch.num_reqs
     speculator.record_admission(batch.req_ids[:decodes], budget, from_graph, capacity, mixed)
     return dataclasses.replace(
         batch,
