@@ -102,10 +102,10 @@ def _decoding_requests(runner, scheduler_output) -> list[str] | None:
     if not decoding:
         return None
     if len(decoding) < len(counts):
+        if not speculator.options.mixed_steps:  # (the options require varlen_verify)
+            return None
         leading = set(decoding)
         prompts = [req_id for req_id in counts if req_id not in leading]
-        if not (speculator.options.mixed_steps and speculator.options.varlen_verify):
-            return None
         # Compacted, the decoding requests must lead the batch: vLLM sorts the requests
         # of 1 + K tokens first, so no other may have that many; none may draft.
         if any(drafts.get(req_id) or counts[req_id] == 1 + num_drafts for req_id in prompts):
