@@ -244,6 +244,17 @@ def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plu
         req_id="new", sampling_params=SimpleNamespace(logprobs=2, prompt_logprobs=None)
     )
     assert _step_budget(runner, scheduler_output(counts, drafts, new=[logprobs_new])) is None
+    # vLLM's own parameters: logprobs of chosen token ids count too; none, compacted.
+    from vllm import SamplingParams
+
+    for params, compacted in [
+        (SamplingParams(logprob_token_ids=[5]), False),
+        (SamplingParams(prompt_logprobs=1), False),
+        (SamplingParams(), True),
+    ]:
+        new = SimpleNamespace(req_id="new", sampling_params=params)
+        step = _step_budget(runner, scheduler_output(counts, drafts, new=[new]))
+        assert (step is not None) == compacted, params
     logprobs.add(2)  # request c
     assert _step_budget(runner, scheduler_output(counts, drafts, new=["new"])) is None
     logprobs.clear()

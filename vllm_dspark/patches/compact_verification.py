@@ -121,9 +121,13 @@ def _decoding_requests(runner, scheduler_output) -> list[str] | None:
 
 
 def _wants_logprobs(new_request) -> bool:
+    """Whether a new request asks for logprobs of any kind (what the sampler's
+    ``returns_logprobs`` reads once it holds the request)."""
     params = getattr(new_request, "sampling_params", None)
     return params is not None and (
-        params.logprobs is not None or params.prompt_logprobs is not None
+        params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or bool(params.logprob_token_ids)
     )
 
 
