@@ -386,9 +386,9 @@ def run_arm_here(spec: dict) -> None:
             # --refill: a wave submits refill x concurrency requests to an engine that runs
             # ``concurrency`` at once; waiting ones join as others finish.
             per_wave = concurrency * spec.get("refill", 1)
-            # Below min_requests, a repeat is several waves of ``concurrency`` requests one
-            # after another: one 128-token request verifies too few drafts for its
-            # acceptance (and so its throughput) to be more than noise.
+            # Below min_requests, a repeat is several such waves one after another: one
+            # 128-token request verifies too few drafts for its acceptance (and so its
+            # throughput) to be more than noise.
             waves = -(-spec["min_requests"] // per_wave)
             for repeat in range(spec["repeats"]):
                 tokens, seconds = 0, 0.0
