@@ -26,8 +26,8 @@ token, when half had finished, the last token; :func:`step_timeline`; with specu
 ``decode_steps``: what capacity control decided in each decode step).
 ``--refill N`` measures steady load instead of one batch: each wave submits N x c
 requests to engines that run at most c at once, so requests join as others finish and
-most steps carry a prompt beside the decoding requests (what ``dspark_mixed_steps``
-compacts), as in a server under load.
+most steps carry a prompt beside the decoding requests (what mixed steps compact;
+the ``-unmixed`` arms turn that off), as in a server under load.
 ``--num-drafts`` sets K for every speculating arm (dummy shapes; default 7).
 ``--tensor-parallel-size`` runs every engine on that many GPUs; each speculating row
 then says whether every rank's admissions were identical (``ranks_agree``: the ranks
@@ -139,11 +139,12 @@ ARMS = {
     # ... drafting as cheaply as the plugin can: FP8 layers and heads over part of the
     # vocabulary (an engine of its own).
     "sps-depth-plain-lean": SPS_DEPTH_PLAIN | LEAN_DRAFTING | {"dspark_fp8_markov_head": True},
-    # ... whose steps with prompts verify only the admitted drafts too (--refill: with
+    # ... whose steps with prompts verify all K drafts (dspark_mixed_steps=false; the
+    # default before 8824b10's refill run): what mixed steps add under --refill (with
     # --shared-engine, switched in sps-depth-plain-lean's engine).
-    "sps-depth-plain-lean-mixed": SPS_DEPTH_PLAIN
+    "sps-depth-plain-lean-unmixed": SPS_DEPTH_PLAIN
     | LEAN_DRAFTING
-    | {"dspark_fp8_markov_head": True, "dspark_mixed_steps": True},
+    | {"dspark_fp8_markov_head": True, "dspark_mixed_steps": False},
     # ... drafting over part of the vocabulary (an engine of its own).
     "sps-depth-plain-vocab": SPS_DEPTH_PLAIN | {"dspark_draft_vocab": DRAFT_VOCAB},
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
@@ -181,7 +182,7 @@ ARMS = {
     "dflash-depth-plain-lean": DFLASH_DEPTH_PLAIN | LEAN_DRAFTING,
     # ... without plain steps (with --shared-engine, one engine for both: same cuts).
     "dflash-depth-lean": DFLASH_DEPTH | LEAN_DRAFTING,
-    "dflash-depth-lean-mixed": DFLASH_DEPTH | LEAN_DRAFTING | {"dspark_mixed_steps": True},
+    "dflash-depth-lean-unmixed": DFLASH_DEPTH | LEAN_DRAFTING | {"dspark_mixed_steps": False},
     # dflash-lean's fixed depth switched to in the controller's engine (--shared-engine):
     # at 1 and 16 requests engines of their own differed by as much as the controller
     # could (47bc5ae, H200: a first token 16.9 against 19.7 ms on average at one request,

@@ -138,11 +138,11 @@ class DSparkOptions(BaseModel):
     padding (compact variable-length verification; FlashAttention or Triton attention);
     false, masked (the target still runs every draft; any attention backend)."""
 
-    mixed_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
+    mixed_steps: StrictBool | None = Field(None, json_schema_extra=_valid("true or false"))
     """With ``varlen_verify``: steps that also carry prompts (a new request's prefill, the
-    chunk of a long one) verify only the admitted drafts too, not all K; without it
-    they verify every draft. In a server whose requests arrive one by one most steps
-    carry a prompt. Off until the GPU's lossless tests have run it."""
+    chunk of a long one) verify only the admitted drafts too, not all K; false, they
+    verify every draft. In a server whose requests arrive one by one most steps carry a
+    prompt. Unset: on with ``varlen_verify`` (:attr:`compacts_mixed_steps`)."""
 
     plain_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """``capacity=sps``: while the draft gate is closed, the scheduler schedules plain
@@ -270,6 +270,11 @@ class DSparkOptions(BaseModel):
                 "(a masked step runs every draft anyway)"
             )
         return self
+
+    @property
+    def compacts_mixed_steps(self) -> bool:
+        """Whether steps that carry prompts compact their decoding requests."""
+        return self.varlen_verify if self.mixed_steps is None else self.mixed_steps
 
     @property
     def needs_confidence(self) -> bool:

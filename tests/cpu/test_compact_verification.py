@@ -218,11 +218,9 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
 def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plugin_speculator):
     from vllm_dspark.patches.compact_verification import StepBudget, _step_budget
 
+    # Mixed steps are on by default with compact verification.
     speculator = plugin_speculator(
-        dspark_capacity="budget",
-        dspark_budget_frac=0.25,
-        dspark_varlen_verify=True,
-        dspark_mixed_steps=True,
+        dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=True
     )
     logprobs = set()  # the request slots wanting logprobs
     runner = SimpleNamespace(
@@ -237,6 +235,15 @@ def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plu
     step = _step_budget(runner, scheduler_output(counts, drafts, new=["new"]))
     assert step == StepBudget(4, (2, 2 * (1 + K) + 70 - 10))
     assert speculator.step_tokens is None  # a step with prompts is off the SPS curve
+    # Turned off, such a step verifies all K drafts.
+    unmixed = SimpleNamespace(**vars(runner))
+    unmixed.speculator = plugin_speculator(
+        dspark_capacity="budget",
+        dspark_budget_frac=0.25,
+        dspark_varlen_verify=True,
+        dspark_mixed_steps=False,
+    )
+    assert _step_budget(unmixed, scheduler_output(counts, drafts, new=["new"])) is None
     # Still uncompacted: a request wanting logprobs (host-side layout), old or new; a prompt
     # chunk of exactly 1 + K tokens (vLLM would sort it among the decoding ones), a
     # request with some drafts but not K, or no decoding request at all.
@@ -275,7 +282,13 @@ def test_mixed_steps_need_compact_verification():
 
     with pytest.raises(ValueError, match="mixed_steps only applies with dspark_varlen_verify"):
         DSparkOptions(capacity="sps", mixed_steps=True)
-    assert DSparkOptions(capacity="sps", varlen_verify=True, mixed_steps=True).mixed_steps
+    # Unset, it follows compact verification; set, it is what was asked.
+    assert not DSparkOptions(capacity="sps").compacts_mixed_steps
+    assert DSparkOptions(capacity="sps", varlen_verify=True).compacts_mixed_steps
+    assert DSparkOptions(capacity="sps", varlen_verify=True, mixed_steps=True).compacts_mixed_steps
+    off = DSparkOptions(capacity="sps", varlen_verify=True, mixed_steps=False)
+    assert not off.compacts_mixed_steps
+    assert off.non_default()["mixed_steps"] is False
 
 
 @pytest.fixture

@@ -33,8 +33,8 @@
 #            a fifth, max_num_batched_tokens for every arm (as dflash)
 #   refill   steady load (offline_sweep --refill: 4 x c requests into engines of c
 #            sequences, most steps carrying a prompt), Qwen3-8B shape, calibrated synthetic
-#            confidence: no speculation, sps-depth-plain-lean without and with
-#            dspark_mixed_steps (one engine); third to fifth arguments: arms, c (64), refill
+#            confidence: no speculation, sps-depth-plain-lean without mixed steps and with
+#            them (its default; one engine); third to fifth arguments: arms, c (64), refill
 #   fixed-k  no speculation against stock DSpark with K drafts (third argument, default 3),
 #            CUDA graphs to the fourth argument's tokens (default 1024), Qwen3-8B shape,
 #            end to end (vLLM; two engines, ~8 min: from the queue); a fifth argument
@@ -168,10 +168,10 @@ case "$stage" in
   refill)
     vllm_env
     # Steady load: each wave submits 4 x c requests into engines of max_num_seqs c, so most
-    # steps carry a prompt (dspark_mixed_steps compacts those; the arm without it verifies
-    # all K there). Third argument: arms; fourth: the one concurrency; fifth: the refill.
+    # steps carry a prompt (mixed steps compact those; the -unmixed arm verifies all K
+    # there). Third argument: arms; fourth: the one concurrency; fifth: the refill.
     timeout 1100 python3 benchmarks/offline_sweep.py --pair qwen3-8b --acceptance confidence \
-      --arms "${3:-nospec,sps-depth-plain-lean,sps-depth-plain-lean-mixed}" --shared-engine \
+      --arms "${3:-nospec,sps-depth-plain-lean-unmixed,sps-depth-plain-lean}" --shared-engine \
       --graphs-to 2048 --concurrency "${4:-64}" --refill "${5:-4}" --min-requests 256 \
       --out "$OUT/refill.json" 2>&1 | quiet | tee "$OUT/refill.log" | tail -14
     ;;

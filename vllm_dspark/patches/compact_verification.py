@@ -20,8 +20,8 @@ preparation the batch is rewritten on the GPU to the compact layout of
 logits indices and the rejection sampler's per-request draft counts). The target's attention
 must build its metadata from device-side query offsets (FlashAttention or Triton attention;
 start-up refuses others). The slot mappings and attention metadata are then derived by vLLM
-from the compact batch as usual. Steps with prefills run unchanged (all K drafts) unless
-``dspark_mixed_steps``: then their decoding requests, which vLLM sorts first, are
+from the compact batch as usual. In steps with prefills (unless ``dspark_mixed_steps``
+is false: then all K drafts) the decoding requests, which vLLM sorts first, are
 compacted as above and every prompt's tokens move up by the drafts dropped
 (:func:`compact_input_batch`). Steps with structured output or logprobs run unchanged,
 which is always lossless, and so do steps that admit all K.
@@ -83,7 +83,7 @@ _capture_query_len_var: ContextVar[int | None] = ContextVar(
 
 def _decoding_requests(runner, scheduler_output) -> list[str] | None:
     """The requests of a step that decode with their K drafts, when the step can be
-    compacted: every request decodes, or (``dspark_mixed_steps``) every other one carries
+    compacted: every request decodes, or (mixed steps) every other one carries
     a prompt and no draft. None otherwise (all K drafts are verified)."""
     speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
@@ -102,7 +102,7 @@ def _decoding_requests(runner, scheduler_output) -> list[str] | None:
     if not decoding:
         return None
     if len(decoding) < len(counts):
-        if not speculator.options.mixed_steps:  # (the options require varlen_verify)
+        if not speculator.options.compacts_mixed_steps:
             return None
         leading = set(decoding)
         prompts = [req_id for req_id in counts if req_id not in leading]
@@ -322,8 +322,8 @@ def step_capacity(runner, batch, budget: int, decodes: int | None = None) -> tor
 def compact_input_batch(runner, batch, budget: int, from_graph: bool = False):
     """The stock batch rewritten to its compact layout (``from_graph``: the step replays a
     FULL graph, counted for the metrics): each decoding request keeps 1 + k_r tokens,
-    R + budget in a decode-only step. In a step that also carries prompts
-    (``dspark_mixed_steps``) the decoding requests lead the batch (vLLM sorts the requests
+    R + budget in a decode-only step. In a step that also carries prompts the
+    decoding requests lead the batch (vLLM sorts the requests
     of 1 + K tokens first) and every later request's tokens (a prompt chunk, no drafts,
     one logit at its last token) move up by the drafts dropped; its token count is known
     on the host. On a GPU one Triton kernel writes a decode-only step; elsewhere, and for
