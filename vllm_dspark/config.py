@@ -138,7 +138,7 @@ class DSparkOptions(BaseModel):
     padding (compact variable-length verification; FlashAttention or Triton attention);
     false, masked (the target still runs every draft; any attention backend)."""
 
-    mixed_steps: StrictBool | None = Field(None, json_schema_extra=_valid("true or false"))
+    mixed_steps: bool | None = Field(None, strict=True, json_schema_extra=_valid("true or false"))
     """With ``varlen_verify``: steps that also carry prompts (a new request's prefill, the
     chunk of a long one) verify only the admitted drafts too, not all K; false, they
     verify every draft. In a server whose requests arrive one by one most steps carry a
@@ -328,7 +328,7 @@ def _closest(name: str, choices: list[str]) -> str:
 
 def _parse_env_value(option: str, text: str) -> Any:
     """Environment values are strings: read booleans and JSON, keep the rest as text."""
-    if DSparkOptions.model_fields[option].annotation is bool:
+    if DSparkOptions.model_fields[option].annotation in (bool, bool | None):
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True

@@ -297,6 +297,10 @@ def test_environment_wins_and_is_reported():
 def test_environment_booleans(text, value):
     options, _ = resolve_options({}, {"VLLM_DSPARK_FP8_DRAFT_HEAD": text})
     assert options.fp8_draft_head is value
+    # A switch whose unset default follows another option reads the same words.
+    compact = {"dspark_capacity": "sps", "dspark_varlen_verify": True}
+    options, _ = resolve_options(compact, {"VLLM_DSPARK_MIXED_STEPS": text})
+    assert options.mixed_steps is value
 
 
 def test_lists_from_files_and_inline_json(tmp_path):
