@@ -27,8 +27,6 @@ EMBEDDED_PAIR = Path(str(files("vllm_dspark") / "data" / "tiny_pair"))
 @dataclass
 class ArmResult:
     tok_s: float
-    seconds: float
-    output_tokens: int
     token_ids: list[list[int]]
     spec: SpecDecodeCounts | None
     calibration: dict | None
@@ -81,7 +79,7 @@ def run_arm(pair_dir: Path, prompts, max_tokens: int, k: int | None, dtype: str)
     # The engine runs in its own process; touching CUDA here would break the next fork.
     del llm
     gc.collect()
-    return ArmResult(tokens / seconds, seconds, tokens, token_ids, spec, calibration)
+    return ArmResult(tokens / seconds, token_ids, spec, calibration)
 
 
 def plot_acceptance(per_position: list[float], path: str, title: str) -> None:

@@ -87,10 +87,6 @@ def target_features(
     )
 
 
-def lm_head_weight(target: Qwen3ForCausalLM) -> torch.Tensor:
-    return target.lm_head.weight
-
-
 @torch.no_grad()
 def generate_continuations(
     target: Qwen3ForCausalLM,

@@ -9,8 +9,8 @@ only extra names, and that vLLM's RoPE, aux-layer, mask-token and causality sett
 the ones the drafter was trained with. It runs on CPU (nothing is executed but weight
 loading and RoPE) and on GPU.
 
-On a machine without a GPU call :func:`use_cpu_platform` before anything imports vLLM's
-config modules.
+On a machine without a GPU, vLLM's CPU platform must be selected before anything imports
+vLLM's config modules (what the tests' ``vllm_cpu`` fixture does: ``tests/vllm_cpu.py``).
 """
 
 from __future__ import annotations
@@ -34,18 +34,6 @@ FUSED_PROJECTIONS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-
-
-def use_cpu_platform() -> None:
-    """Select vLLM's CPU platform (GPU-less machines); before vLLM's config is imported."""
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    vllm.platforms._current_platform = CpuPlatform()
-    import vllm.config.vllm as vllm_config_module
-
-    # DSpark forces the V2 model runner, whose config check wants Triton.
-    vllm_config_module.HAS_TRITON = True
 
 
 def build_vllm_config(
