@@ -14,8 +14,9 @@
 #            pair's real hidden states
 #   pair     demo + reference check (vLLM)
 #   arms     capacity modes (one engine, switched), FP8 heads and FP8 drafter on the pair,
-#            against no speculation, and the FP8 drafter's GEMM (vLLM; 4 engines of ~60-90 s;
-#            a pytest -k expression as the third argument selects; whole log in arms.log)
+#            against no speculation, and the FP8 drafter's GEMM (vLLM; 4 engines of ~60-90 s);
+#            DFlash's controller with mixed steps on the tiny shape (two small engines); a
+#            pytest -k expression as the third argument selects; whole log in arms.log
 #   fp8e2e   Qwen3-8B shape, FP8 head on/off at concurrency 1 and 16 (vLLM)
 #   sps      SPS curve of the Qwen3-8B shape (vLLM), kept in /tmp for the capacity stages;
 #            third argument embedded: the embedded pair's target (real weights) instead
@@ -133,7 +134,7 @@ case "$stage" in
     # A fixed KV cache (no memory profiling), so that it can run beside another stage
     # (queue.sh's "sanitizer+arms:lossless").
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30))
-    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py tests/gpu/test_draft_fp8_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tee "$OUT/arms.log" | tail -12
+    timeout 560 python3 -m pytest tests/gpu/test_pair_arms_gpu.py tests/gpu/test_draft_fp8_gpu.py tests/gpu/test_dflash_mixed_gpu.py -q -p no:cacheprovider -rA ${3:+-k "$3"} 2>&1 | tee "$OUT/arms.log" | tail -12
     ;;
   fp8e2e)
     vllm_env

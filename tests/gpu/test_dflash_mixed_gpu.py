@@ -1,0 +1,78 @@
+"""On a GPU: DFlash's acceptance controller with compact verification, whose steps that
+carry prompts are compacted too (mixed steps, on by default with
+``dspark_varlen_verify``), keeps greedy outputs identical to no speculation.
+
+The embedded pair is DSpark only, so this runs the tiny Qwen3 shape with dummy weights in
+float32: its drafts are almost never accepted, which is what makes it a layout test. The
+controller then verifies one draft per request, so nearly every step is compacted, and
+with 8 sequences at most the other prompts join one by one as requests finish: a prompt
+whose tokens, logit or query offsets landed in the wrong place would change the next
+token of some output. Dynamic depth is on, so the drafter computes only the verified
+positions, as in the benchmarks' DFlash arms.
+"""
+
+import json
+
+import pytest
+from gpu_results import write_result
+from pair_probe import LLM_PROBE
+from subprocess_probe import run_probe
+
+NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 48, 48, 8
+DFLASH_CONTROLLER = {
+    "method": "dflash",
+    "dspark_capacity": "acceptance",
+    "dspark_varlen_verify": True,
+    "dspark_dynamic_depth": True,
+}
+
+
+def prompts() -> list[list[int]]:
+    """Prompts of 17 to 47 tokens (so that prompt chunks and decode rows differ in size)."""
+    return [
+        [3 + (31 * i + 7 * j) % 4000 for j in range(17 + (13 * i) % 31)] for i in range(NUM_PROMPTS)
+    ]
+
+
+def run(model_dirs, options: dict | None) -> dict:
+    spec = {
+        "target": model_dirs["target"],
+        "draft": model_dirs["dflash"] if options is not None else None,
+        "options": options or {},
+        "dummy": True,
+        "dtype": "float32",
+        "max_num_seqs": MAX_NUM_SEQS,
+        "prompts": prompts(),
+        "max_tokens": MAX_TOKENS,
+    }
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec))
+
+
+@pytest.mark.gpu
+def test_lossless_dflash_mixed_steps(model_dirs):
+    nospec = run(model_dirs, None)
+    dflash = run(model_dirs, DFLASH_CONTROLLER)
+    admission = dflash["admission"]
+    write_result(
+        "dflash_mixed_gpu.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dflash_mixed_gpu.py",
+        {
+            "setup": {
+                "target": "tiny Qwen3 (4 layers, hidden 256, vocab 4096), dummy weights",
+                "draft": "DFlash, 1 layer, K=7, acceptance controller, dynamic depth, "
+                "compact verification with mixed steps (default)",
+                "prompts": NUM_PROMPTS,
+                "max_tokens": MAX_TOKENS,
+                "max_num_seqs": MAX_NUM_SEQS,
+                "sampling": "greedy, float32",
+            },
+            "result": {
+                "greedy_token_ids_identical": dflash["token_ids"] == nospec["token_ids"],
+                "admission": admission,
+                "spec_decode": dflash["spec_decode"],
+            },
+        },
+    )
+    assert admission["steps"] > 0 and admission["mixed_steps"] > 0, admission
+    assert all(len(ids) == MAX_TOKENS for ids in nospec["token_ids"])
+    assert dflash["token_ids"] == nospec["token_ids"]
