@@ -8,17 +8,21 @@ controller then verifies one draft per request, so nearly every step is compacte
 with 8 sequences at most the other prompts join one by one as requests finish: a prompt
 whose tokens, logit or query offsets landed in the wrong place would change the next
 token of some output. Dynamic depth is on, so the drafter computes only the verified
-positions, as in the benchmarks' DFlash arms.
+positions, as in the benchmarks' DFlash arms. Dummy weights give logits of a few
+hundredths, whose top two can lie closer than float32's batch-shape noise: an output that
+differs must do so first where no speculation's top-two logprob gap is below
+``FLOAT32_TIE_GAP`` (a misplaced row derails at any gap), and few may.
 """
 
 import json
 
 import pytest
-from gpu_results import write_result
+from gpu_results import first_divergences, write_result
 from pair_probe import LLM_PROBE
 from subprocess_probe import run_probe
 
 NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 48, 48, 8
+FLOAT32_TIE_GAP, MAX_DIVERGING = 1e-4, 4
 DFLASH_CONTROLLER = {
     "method": "dflash",
     "dspark_capacity": "acceptance",
@@ -34,8 +38,8 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def run(model_dirs, options: dict | None) -> dict:
-    spec = {
+def run(model_dirs, options: dict | None, **probe) -> dict:
+    spec = probe | {
         "target": model_dirs["target"],
         "draft": model_dirs["dflash"] if options is not None else None,
         "options": options or {},
@@ -50,9 +54,14 @@ def run(model_dirs, options: dict | None) -> dict:
 
 @pytest.mark.gpu
 def test_lossless_dflash_mixed_steps(model_dirs):
-    nospec = run(model_dirs, None)
+    nospec = run(model_dirs, None, margins=True)
     dflash = run(model_dirs, DFLASH_CONTROLLER)
     admission = dflash["admission"]
+    divergences = first_divergences(
+        dict(enumerate(dflash["token_ids"])),
+        dict(enumerate(nospec["token_ids"])),
+        dict(enumerate(nospec["margins"])),
+    )
     write_result(
         "dflash_mixed_gpu.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dflash_mixed_gpu.py",
@@ -68,6 +77,7 @@ def test_lossless_dflash_mixed_steps(model_dirs):
             },
             "result": {
                 "greedy_token_ids_identical": dflash["token_ids"] == nospec["token_ids"],
+                "first_divergences": divergences,
                 "admission": admission,
                 "spec_decode": dflash["spec_decode"],
             },
@@ -75,4 +85,5 @@ def test_lossless_dflash_mixed_steps(model_dirs):
     )
     assert admission["steps"] > 0 and admission["mixed_steps"] > 0, admission
     assert all(len(ids) == MAX_TOKENS for ids in nospec["token_ids"])
-    assert dflash["token_ids"] == nospec["token_ids"]
+    assert len(divergences) <= MAX_DIVERGING, divergences
+    assert all(d["gap"] < FLOAT32_TIE_GAP for d in divergences.values()), divergences
