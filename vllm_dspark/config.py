@@ -139,10 +139,10 @@ class DSparkOptions(BaseModel):
     false, masked (the target still runs every draft; any attention backend)."""
 
     mixed_steps: bool | None = Field(None, strict=True, json_schema_extra=_valid("true or false"))
-    """With ``varlen_verify``: steps that also carry prompts (a new request's prefill, the
-    chunk of a long one) verify only the admitted drafts too, not all K; false, they
-    verify every draft. In a server whose requests arrive one by one most steps carry a
-    prompt. Unset: on with ``varlen_verify`` (:attr:`compacts_mixed_steps`)."""
+    """Steps that also carry prompts (a new request's prefill, the chunk of a long one)
+    verify only the admitted drafts too, not all K; unset, on with ``varlen_verify``.
+    False: they verify every draft. In a server whose requests arrive one by one most
+    steps carry a prompt."""
 
     plain_steps: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """``capacity=sps``: while the draft gate is closed, the scheduler schedules plain
