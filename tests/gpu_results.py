@@ -39,3 +39,13 @@ def first_divergences(outputs: dict, reference: dict, gaps: dict) -> dict:
         position = next(j for j, (a, b) in enumerate(pairs) if a != b)
         found[key] = {"position": position, "gap": gaps[key][position]}
     return found
+
+
+def prompt_divergences(token_ids: list, reference: dict) -> dict:
+    """:func:`first_divergences` of one arm's outputs (a list, one per prompt) against a
+    reference probe result with ``token_ids`` and ``margins``, keyed by prompt index."""
+    return first_divergences(
+        dict(enumerate(token_ids)),
+        dict(enumerate(reference["token_ids"])),
+        dict(enumerate(reference["margins"])),
+    )

@@ -17,7 +17,7 @@ differs must do so first where no speculation's top-two logprob gap is below
 import json
 
 import pytest
-from gpu_results import first_divergences, write_result
+from gpu_results import prompt_divergences, write_result
 from pair_probe import LLM_PROBE
 from subprocess_probe import run_probe
 
@@ -57,11 +57,7 @@ def test_lossless_dflash_mixed_steps(model_dirs):
     nospec = run(model_dirs, None, margins=True)
     dflash = run(model_dirs, DFLASH_CONTROLLER)
     admission = dflash["admission"]
-    divergences = first_divergences(
-        dict(enumerate(dflash["token_ids"])),
-        dict(enumerate(nospec["token_ids"])),
-        dict(enumerate(nospec["margins"])),
-    )
+    divergences = prompt_divergences(dflash["token_ids"], nospec)
     write_result(
         "dflash_mixed_gpu.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dflash_mixed_gpu.py",

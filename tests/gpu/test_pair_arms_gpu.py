@@ -42,7 +42,7 @@ from collections import Counter
 
 import pytest
 import torch
-from gpu_results import first_divergences, write_result
+from gpu_results import prompt_divergences, write_result
 from pair_probe import run_pair
 
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
@@ -284,13 +284,10 @@ def test_capacity_modes_are_lossless(arms, mode):
 
 def test_bf16_compacted_steps_replay_full_graphs(arms):
     nospec = arms["nospec-bf16"]
-    reference = dict(enumerate(nospec["token_ids"]))
-    gaps = dict(enumerate(nospec["margins"]))
     names = {"fixed_k7": "dspark-bf16", "budget": "capacity-bf16"}
     names["budget_piecewise"] = "capacity-bf16-piecewise"
     divergences = {
-        label: first_divergences(dict(enumerate(arms[name]["token_ids"])), reference, gaps)
-        for label, name in names.items()
+        label: prompt_divergences(arms[name]["token_ids"], nospec) for label, name in names.items()
     }
     capped = arms["capacity-bf16"]
     admission = capped["admission"]
@@ -343,11 +340,7 @@ def test_fp8_draft_head_keeps_acceptance(arms):
 def test_an_fp8_drafter_keeps_outputs(arms):
     fp8 = arms["fp8-backbone"]  # first: whether it starts is what a short run must tell
     nospec, bf16 = arms["nospec-bf16"], arms["dspark-bf16"]
-    divergences = first_divergences(
-        dict(enumerate(fp8["token_ids"])),
-        dict(enumerate(nospec["token_ids"])),
-        dict(enumerate(nospec["margins"])),
-    )
+    divergences = prompt_divergences(fp8["token_ids"], nospec)
     _record(
         "fp8_drafter",
         {
