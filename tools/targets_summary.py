@@ -184,8 +184,9 @@ def fixed_counterpart(arm: str, engines: dict[str, str | None] | None = None) ->
     request by as much as the controller could (47bc5ae, H200)."""
     drafting = startup_options(arm)
     switched = _arm_with(drafting | {"dspark_capacity": "off"})
-    engine = (engines or {}).get(arm)
-    if switched is not None and engine is not None and (engines or {}).get(switched) == engine:
+    engines = engines or {}
+    engine = engines.get(arm)
+    if switched is not None and engine is not None and engines.get(switched) == engine:
         return switched
     return _arm_with(drafting)
 
@@ -224,6 +225,7 @@ def dflash(record: dict) -> dict:
     in its own engine where the run switched to it there) and no speculation, with both
     arms' repeats at 256 where recorded; the target passes if one arm meets all of it."""
     rows, pooled = pooled_rows(record)
+    first_run = _tok_s(record["rows"]) if pooled else None
     tok_s, cached = _tok_s(rows), cached_arms(rows)
     repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in rows}
     engines = {row["arm"]: row.get("engine") for row in rows}
@@ -242,10 +244,9 @@ def dflash(record: dict) -> dict:
         ratios = {str(c): tok_s[(arm, c)] / tok_s[(fixed, c)] for c in concurrencies}
         over_nospec = tok_s[(arm, 256)] / tok_s[("nospec", 256)]
         measured[arm] = {"fixed_arm": fixed, "over_fixed": ratios, "over_nospec_256": over_nospec}
-        if pooled:  # the first run's ratios beside the pooled ones
-            first = _tok_s(record["rows"])
+        if first_run:  # the first run's ratios beside the pooled ones
             measured[arm]["over_fixed_first_run"] = {
-                str(c): first[(arm, c)] / first[(fixed, c)] for c in concurrencies
+                str(c): first_run[(arm, c)] / first_run[(fixed, c)] for c in concurrencies
             }
         # The fixed arm in an engine of its own, reported beside the one the verdict uses.
         separate = fixed_counterpart(arm)
