@@ -1084,7 +1084,7 @@ def test_acceptance_varies_its_depth_only_where_the_draft_time_could_move_it(plu
     position, K either way; at 64 requests accepting 0.5, K against 3."""
     from vllm_dspark.capacity.control import EXPLORE_EVERY
 
-    def fitted(rate: float, num_reqs: int):
+    def fitted(rate: float):
         speculator = plugin_speculator(
             K,
             method="dflash",
@@ -1098,10 +1098,10 @@ def test_acceptance_varies_its_depth_only_where_the_draft_time_could_move_it(plu
         speculator.step_overhead.ready = True  # fitted: O = a = b = 0
         return speculator
 
-    light = fitted(0.8, 5)
+    light = fitted(0.8)
     assert not light._depth_hinges_on_draft_time(5)
     assert {light.admission_budget(5) for _ in range(2 * EXPLORE_EVERY)} == {5 * K}
-    loaded = fitted(0.5, 64)
+    loaded = fitted(0.5)
     assert loaded._depth_hinges_on_draft_time(64)
     budgets = [loaded.admission_budget(64) for _ in range(EXPLORE_EVERY)]
     assert budgets == [64 * K] * (EXPLORE_EVERY - 1) + [64 * (K // 2)]
