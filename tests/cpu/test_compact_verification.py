@@ -1032,7 +1032,7 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(plugin_speculator,
 
 
 def test_compaction_takes_flash_or_triton_attention_for_the_target_alone():
-    from vllm_dspark.capacity.control import _check_compaction_backends
+    from vllm_dspark.capacity.startup_checks import check_compaction_backends
     from vllm_dspark.config import DSparkOptionError
 
     def group(name, layers):
@@ -1043,10 +1043,10 @@ def test_compaction_takes_flash_or_triton_attention_for_the_target_alone():
     for target in ("FLASH_ATTN", "TRITON_ATTN"):
         # The draft's own backend does not matter: it runs no compacted batch.
         groups = [[group(target, ["model.0.attn"]), group("FLASHINFER", ["draft.0.attn"])]]
-        _check_compaction_backends(groups, draft)
+        check_compaction_backends(groups, draft)
     groups = [[group("FLASHINFER", ["model.0.attn"]), group("FLASH_ATTN", ["draft.0.attn"])]]
     with pytest.raises(DSparkOptionError, match="FLASHINFER.*FLASH_ATTN or TRITON_ATTN") as error:
-        _check_compaction_backends(groups, draft)
+        check_compaction_backends(groups, draft)
     assert "dspark_varlen_verify=false" in str(error.value)  # the masked fallback
 
 

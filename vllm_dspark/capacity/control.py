@@ -16,7 +16,8 @@ With the curve profiled at start-up the drafter's time is profiled too (per dept
 dynamic depth): it counts in each step's time, and with ``sps`` (or ``acceptance`` with
 plain steps) :mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under
 load. ``sps``, ``acceptance`` and the gate count each step's time outside the curve
-(:mod:`step_overhead`).
+(:mod:`step_overhead`). The depth a proposal computes, and acceptance's verified depth,
+are :mod:`depth_control`'s; what the engine must support, :mod:`startup_checks`'.
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ import functools
 from collections import deque
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from vllm_dspark.capacity.acceptance import AcceptanceDepth, best_depth
+from vllm_dspark.capacity.acceptance import AcceptanceDepth
 from vllm_dspark.capacity.allocation import (
     UNCOMPUTED_SURVIVAL,
     admission_budget,
-    best_rates_by_depth,
     budget_capacity,
     masked_forward_table,
     padded_to_graph_sizes,
@@ -42,6 +41,7 @@ from vllm_dspark.capacity.allocation import (
     sps_table_from_curve,
     threshold_count,
 )
+from vllm_dspark.capacity.depth_control import DepthControl
 from vllm_dspark.capacity.draft_gate import (
     SURVIVAL_MEMORY,
     DraftGate,
@@ -54,6 +54,13 @@ from vllm_dspark.capacity.physical_depth import WINDOW_STEPS, PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshots
+from vllm_dspark.capacity.startup_checks import (
+    check_compaction_backends,
+    check_compaction_supported,
+    graph_sizes,
+    has_full_decode_graphs,
+    refuse_sps_profiling,
+)
 from vllm_dspark.capacity.step_overhead import StepOverhead
 from vllm_dspark.capacity.verification_kernel import (
     Verification,
@@ -82,13 +89,6 @@ EXPLORE_EVERY = 64
 # varied steps in 1,628 left out 104 drafts, and the acceptance controller ran 0.995x
 # fixed depth).
 EXPLORE_MIN_DRAFTS = 32
-# acceptance: a varied step halves every request's depth, so it is taken only where the
-# depth would differ with DRAFT_TIME_DOUBT more per verified draft than fitted. At 16
-# requests (DFlash's profile, the H200's 6.2 ms step, survival 0.16 at position 7) the
-# last position pays up to 15 us a draft, where the H200's runs fitted 0; there two
-# varied steps had cost one engine step more in three batches, 0.99x fixed depth (47bc5ae).
-DRAFT_TIME_DOUBT = 10e-6
-
 # Options a running engine can switch (benchmarks compare capacity arms in one engine);
 # what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
 SWITCHABLE = frozenset(
@@ -107,7 +107,7 @@ SWITCHABLE = frozenset(
 )
 
 
-class CapacityControl:
+class CapacityControl(DepthControl):
     """Mixed into a speculator (which provides num_speculative_steps and max_num_reqs)."""
 
     options: DSparkOptions
@@ -147,9 +147,9 @@ class CapacityControl:
         self.profiled_sps_curve = getattr(self, "profiled_sps_curve", None)
         auto_sps = uses_curve and options.sps_curve == "auto"
         self.needs_sps_profile = auto_sps and self.profiled_sps_curve is None
-        if self.needs_sps_profile and not _has_full_decode_graphs(vllm_config):
+        if self.needs_sps_profile and not has_full_decode_graphs(vllm_config):
             if options.capacity == "sps":
-                _refuse_sps_profiling(vllm_config)
+                refuse_sps_profiling(vllm_config)
             # acceptance keeps working without graphs, on its length rule.
             logger.warning(
                 "vllm-dspark: no FULL decode CUDA graph to profile the SPS curve; "
@@ -234,7 +234,7 @@ class CapacityControl:
         self.mixed_steps = 0  # compacted steps that also carried prompts (dspark_mixed_steps)
         self.all_drafts = torch.tensor(float(num_drafts))  # K, for full-admission records
         if self.controls_capacity:
-            _check_compaction_supported(vllm_config)
+            check_compaction_supported(vllm_config)
 
     def switch_capacity(self, updates: dict) -> DSparkOptions:
         """Replace the capacity options of a running engine by ``updates`` (keys of
@@ -376,7 +376,7 @@ class CapacityControl:
             self.profiled_sps_curve = curve
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
         table = sps_table_from_curve(curve, max_tokens)
-        self.sps_table_host = padded_to_graph_sizes(table, _graph_sizes(self.vllm_config)).double()
+        self.sps_table_host = padded_to_graph_sizes(table, graph_sizes(self.vllm_config)).double()
         self.sps_table = self.sps_table_host.float().to(device)
 
     def observe_real_step(self, input_batch, num_sampled: torch.Tensor) -> None:
@@ -475,73 +475,6 @@ class CapacityControl:
         budget = max(1, min(cap, wanted))
         return self._vary_admission(budget, budget) if measuring else budget
 
-    def proposal_depth(self, num_reqs: int) -> int:
-        """Before a real proposal: the positions it computes. With dynamic depth, DSpark's
-        confidence modes follow recent admissions (:mod:`physical_depth`); acceptance plans
-        here, once per step, the depth the next step verifies, and computes just that."""
-        if not self.options.dynamic_depth:
-            return self.num_speculative_steps
-        if self.acceptance is not None:
-            return self._acceptance_depth(num_reqs)
-        return self.physical_depth.depth
-
-    @property
-    def depth_changes(self) -> int:
-        """Changes of the depth drafted (dynamic depth) or verified (acceptance)."""
-        controller = self.physical_depth or self.acceptance
-        return controller.changes if controller is not None else 0
-
-    def _acceptance_depth(self, num_reqs: int) -> int:
-        """acceptance: the depth every request verifies, after taking in the newest
-        verified step's counts."""
-        self._observe_acceptance()
-        target = self._best_acceptance_depth(num_reqs)
-        if target is None:
-            return self.acceptance.update(self.acceptance.length_target())
-        return self.acceptance.update(target)
-
-    def _best_acceptance_depth(self, num_reqs: int, doubt_s: float = 0.0) -> int | None:
-        """The depth of most expected tokens per second on the curve at ``num_reqs``
-        requests, each verified draft ``doubt_s`` dearer than fitted (None: no curve)."""
-        if self.sps_table_host is None:
-            return None
-        fixed = per_draft = 0.0
-        overhead = self.step_overhead
-        if overhead.ready:
-            fixed, per_draft = overhead.per_step_seconds(num_reqs), overhead.per_draft_seconds
-        if self.options.dynamic_depth:  # a shallower proposal costs less
-            depths = range(1, self.num_speculative_steps + 1)
-            draft = np.array([self._proposal_seconds(num_reqs, d) for d in depths])
-        else:
-            draft = self._proposal_seconds(num_reqs, self.num_speculative_steps)
-        return best_depth(
-            self.acceptance.survival(),
-            num_reqs,
-            self.sps_table_host,
-            fixed,
-            per_draft + doubt_s,
-            draft,
-            masked_step_drafts=self.masked_step_drafts,
-        )
-
-    def _depth_hinges_on_draft_time(self, num_reqs: int) -> bool:
-        """acceptance fitting its step overhead: whether the time per verified draft could
-        change the depth at this load (DRAFT_TIME_DOUBT more than fitted would), the only
-        place a varied step's reading is worth its lost drafts; until the overhead is
-        fitted, always."""
-        if not self.step_overhead.ready:
-            return True
-        plain = self._best_acceptance_depth(num_reqs)
-        return plain != self._best_acceptance_depth(num_reqs, DRAFT_TIME_DOUBT)
-
-    def _observe_acceptance(self) -> None:
-        """acceptance: take in the newest verified step's counts per position, once."""
-        counts = self.stale_position_counts
-        if counts.proposals != self.position_counts_read:
-            self.position_counts_read = counts.proposals
-            totals, num_drafts = counts.per_request(), self.num_speculative_steps
-            self.acceptance.observe(totals[:num_drafts], totals[num_drafts:])
-
     def _vary_admission(
         self, budget: int, drafts: int, worth_it: Callable[[], bool] | None = None
     ) -> int:
@@ -632,40 +565,6 @@ class CapacityControl:
             costs = (fit.seconds * 1e3, fit.per_request_seconds * 1e6, fit.per_draft_seconds * 1e6)
         depth = self.draft_depth if budget else 0  # 0: the proposal was skipped
         self.step_trace.append([num_reqs, budget, depth, *(round(c, 3) for c in costs)])
-
-    def _paying_depth(self) -> int | None:
-        """sps with dynamic depth, at a window's end: the depth d' <= d whose proposals
-        would have brought the most expected tokens per second, summed over the snapshots
-        read since the last window's end (:meth:`_depth_rates`). None without any."""
-        rates = self._depth_rates(list(self.depth_snapshots))
-        self.depth_snapshots.clear()
-        if rates is None:
-            return None
-        return int(np.argmax(rates[: self.physical_depth.depth])) + 1
-
-    def _depth_rates(self, snapshots: list[torch.Tensor]) -> np.ndarray | None:
-        """Per depth d' = 1..K, summed over proposals' survivals [R, K] (host snapshots):
-        the best admission among the first d' positions by sps's objective with that
-        depth's proposal time added, in expected tokens per second. One batched
-        evaluation per batch size (a window at one request holds 8 proposals). None
-        without snapshots, a curve or per-depth draft timings (the largest admission
-        reads then)."""
-        if not snapshots or self.sps_table_host is None or len(self.draft_tables) < 2:
-            return None
-        num_drafts = self.num_speculative_steps
-        depths = torch.arange(1, num_drafts + 1)
-        total = np.zeros(num_drafts)
-        for num_reqs in sorted({len(s) for s in snapshots}):
-            group = torch.stack([s for s in snapshots if len(s) == num_reqs]).double()
-            fixed = per_draft = 0.0
-            if self.step_overhead is not None and self.step_overhead.ready:
-                fixed = self.step_overhead.per_step_seconds(num_reqs)
-                per_draft = self.step_overhead.per_draft_seconds
-            draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
-            table = masked_forward_table(self.sps_table_host, num_reqs, self.masked_step_drafts)
-            rates = best_rates_by_depth(group, depths, table, fixed + draft, per_draft)
-            total += rates.sum(dim=0).numpy()
-        return total
 
     def fold_fingerprint(self, admitted: torch.Tensor) -> None:
         """h = (h * M + sum_r w_r k_r + R) mod 2^31 - 1, on the device (no host sync);
@@ -764,17 +663,7 @@ class CapacityControl:
             model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
         )
         if self.controls_capacity and self.options.varlen_verify:
-            _check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
-
-
-def _graph_sizes(vllm_config: VllmConfig) -> list[int]:
-    """The token counts the runner pads a step to (its CUDA-graph sizes; none when eager)."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    compilation = vllm_config.compilation_config
-    if compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
-        return []
-    return list(compilation.cudagraph_capture_sizes or ())
+            check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
 
 
 def _tp_reduce_max():
@@ -793,67 +682,3 @@ def _tp_reduce_max():
         )
 
     return reduce_max
-
-
-# Attention backends that build a compacted batch's metadata from device-side query
-# offsets, taking the host's per-request lengths as upper bounds (FlashInfer plans on the
-# host's layout, so it is not among them).
-COMPACTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
-
-
-def _has_full_decode_graphs(vllm_config: VllmConfig) -> bool:
-    """Whether the target captures FULL decode CUDA graphs, which ``auto`` times."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    mode = vllm_config.compilation_config.cudagraph_mode
-    return mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
-
-
-def _refuse_sps_profiling(vllm_config: VllmConfig) -> None:
-    mode = vllm_config.compilation_config.cudagraph_mode
-    raise DSparkOptionError(
-        f"vllm-dspark: {KEY_PREFIX}sps_curve='auto' profiles the target's FULL decode CUDA "
-        f"graphs at start-up, and this engine captures none (cudagraph_mode={mode}, "
-        "enforce_eager turns them off). Valid here: a curve, e.g. the JSON "
-        "benchmarks/profile_dspark_sps_curve.py writes."
-    )
-
-
-def _check_compaction_supported(vllm_config: VllmConfig) -> None:
-    """Compact verification rewrites per-token inputs on the GPU: refuse the features
-    that keep their own host-side per-request layout of the batch."""
-    parallel = vllm_config.parallel_config
-    unsupported = {
-        "LoRA": vllm_config.lora_config is not None,
-        "decode context parallelism": parallel.decode_context_parallel_size > 1,
-        "prefill context parallelism": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
-        "a hybrid (Mamba) target": vllm_config.model_config.is_hybrid,
-    }
-    found = [name for name, present in unsupported.items() if present]
-    if found:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}varlen_verify does not support {', '.join(found)} in "
-            f"this version. Valid here: {KEY_PREFIX}capacity=off."
-        )
-
-
-def _check_compaction_backends(attn_groups, draft_layer_names) -> None:
-    """The target's attention must take a batch whose per-request query lengths were
-    chosen on the GPU, from device-side query offsets and upper bounds on the host:
-    FlashAttention (2 or 3) and Triton attention do. (FULL graphs of such batches are
-    captured for FlashAttention 3 alone: :mod:`vllm_dspark.verify.compact_graphs`.)"""
-    names = {
-        group.backend.get_name()
-        for groups in attn_groups
-        for group in groups
-        if not set(group.layer_names) <= draft_layer_names
-    }
-    unsupported = names - set(COMPACTION_BACKENDS)
-    if unsupported:
-        raise DSparkOptionError(
-            f"vllm-dspark: {KEY_PREFIX}varlen_verify cannot run the target's attention "
-            f"backend {', '.join(sorted(unsupported))}. Valid here: "
-            f"--attention-backend {' or '.join(COMPACTION_BACKENDS)}; or "
-            f"{KEY_PREFIX}varlen_verify=false, which verifies the admitted drafts of an "
-            f"uncompacted batch (the target then runs every draft); or {KEY_PREFIX}capacity=off."
-        )

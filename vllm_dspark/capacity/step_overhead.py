@@ -32,7 +32,7 @@ varied; none is negative: S stays 0 until the gate has skipped). An
 admission that settles stays the same step after step, which cannot tell b from O, so
 capacity control verifies half of it now and then (``control.EXPLORE_EVERY``, on steps
 verifying at least ``control.EXPLORE_MIN_DRAFTS``, and with ``acceptance`` only at loads
-where b could change the depth, ``control.DRAFT_TIME_DOUBT``). The host
+where b could change the depth, ``depth_control.DRAFT_TIME_DOUBT``). The host
 clock differs between tensor-parallel ranks, so each window's (O, a, b, S) is reduced to the
 largest over ranks on the device and read one window later (its copy long done): every
 rank plans with the same values, as the admission must be identical on every rank.
