@@ -137,6 +137,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 
 from offline_sweep import (  # noqa: E402
+    ARMS as SWEEP_ARMS,
+)
+from offline_sweep import (  # noqa: E402
     DEFAULT_RATES,
     DRAFT_VOCAB,
     conditional_rates,
@@ -198,6 +201,11 @@ ARMS = {
     # engine, but for a probe every 64 proposals; against nospec's, what the gate weighs as
     # a plain step's cost.
     "closed-k3": (3, "sps", {"dspark_plain_steps": True} | NEVER_DRAFT),
+    # The capacity sweep's sps-depth-plain-lean (dynamic depth, plain steps, mixed steps,
+    # the drafting cuts), the arm that runs 1.03x no speculation at 256 requests: its
+    # steps against nospec's say where a full speculative step's time goes beyond the
+    # target's forward.
+    "lean-k7": (7, "sps", SWEEP_ARMS["sps-depth-plain-lean"]),
 }
 
 # Reported phases, in stacking order; each adds up on the GPU timeline (module docstring).
@@ -274,6 +282,15 @@ class CudaClock:
         torch.cuda._sleep(int(ms * self.cycles_per_ms))
 
 
+def draft_graph_managers(spec) -> dict:
+    """The drafter's CUDA-graph managers: one per depth with the plugin's dynamic depth
+    (each depth replays its own graph), else the speculator's one (none when eager)."""
+    if hasattr(spec, "draft_graph_managers"):
+        return spec.draft_graph_managers()
+    manager = spec.query_cudagraph_manager
+    return {} if manager is None else {"full": manager}
+
+
 class StepProbe:
     """Per-step CUDA events and host stamps from wrappers on the runner's instances."""
 
@@ -298,6 +315,7 @@ class StepProbe:
         self._eligible = 0
         self._shadows_done = 0
         self._draft_desc = None
+        self._draft_replay = None  # the graph manager's replay that drew _draft_desc
         self._draft_metadata = None
 
     # -- installation ------------------------------------------------------------------
@@ -317,13 +335,8 @@ class StepProbe:
             self._wrap(spec, "_run_model", self._run_model)
             if hasattr(spec, "_sample_sequential"):  # DSpark's Markov stage
                 self._wrap(spec, "_sample_sequential", self._sample_sequential)
-            if spec.query_cudagraph_manager is not None:
-                self._wrap(
-                    spec.query_cudagraph_manager,
-                    "run_fullgraph",
-                    self._run_fullgraph,
-                    "draft_run_fullgraph",
-                )
+            for depth, manager in draft_graph_managers(spec).items():
+                self._wrap(manager, "run_fullgraph", self._run_fullgraph, f"draft_graph_{depth}")
         return list(self.hooked)
 
     def _wrap(self, owner, name: str, hook, key: str | None = None) -> None:
@@ -485,7 +498,7 @@ class StepProbe:
     def _run_fullgraph(self, original, desc):
         if self.current is not None:
             self.current["draft_cudagraph"] = getattr(desc.cg_mode, "name", "FULL")
-            self._draft_desc = desc
+            self._draft_desc, self._draft_replay = desc, original
         self._mark("draft_start")
         out = original(desc)
         self._mark("draft_end")
@@ -541,7 +554,7 @@ class StepProbe:
             clock.sleep(sleep_ms)
             ev["graph_start"] = clock.mark()
             launch = self.now()
-            self.original["draft_run_fullgraph"](desc)
+            self._draft_replay(desc)
             ev["graph_end"] = clock.mark()
             launch_graph_ms = (self.now() - launch) * 1e3
             ev["eager_sleep"] = clock.mark()

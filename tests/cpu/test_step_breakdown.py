@@ -238,6 +238,28 @@ def test_graph_steps_get_the_split_from_a_shadow_run_and_keep_their_drafts():
     assert row["phases_sum_over_step"] == pytest.approx(1.0)
 
 
+def test_with_dynamic_depth_the_graph_of_the_depth_drafted_is_timed():
+    """The plugin's dynamic depth replays one graph manager per depth, switched between
+    steps: each is hooked, so a step drafting at a shallower depth keeps its draft phase."""
+    clock = FakeClock()
+    spec = FakeSpeculator(clock, k=3, graph=True)
+
+    def shallow_replay(desc):
+        clock.advance(1.5)
+        spec.draft_tokens[: desc.num_reqs] = 7
+
+    full, shallow = spec.query_cudagraph_manager, SimpleNamespace(run_fullgraph=shallow_replay)
+    spec.draft_graph_managers = lambda: {3: full, 1: shallow}
+    runner = FakeRunner(clock, spec, k=3)
+    probe = make_probe(runner, clock)
+    spec.query_cudagraph_manager = shallow  # the speculator drafts at depth 1 from here
+    probe.start(4)
+    row = sb.summarize(run_engine(runner, probe, steps=6, concurrency=4), 4, 3)
+    assert row["draft_cudagraph"] == "FULL"
+    assert row["phases_ms"]["draft_graph"] == pytest.approx(1.5)
+    assert row["phases_sum_over_step"] == pytest.approx(1.0)
+
+
 def test_the_shadow_run_puts_the_graphs_drafts_back():
     clock = FakeClock()
     spec = FakeSpeculator(clock, k=3, graph=True)
