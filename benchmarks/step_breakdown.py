@@ -25,7 +25,9 @@ cost. ``plain-k3`` / ``plain-k7`` are ``sps`` with plain steps (``dspark_plain_s
 and ``closed-k3`` the same with a draft gate that never opens: its steps are the plain
 decode steps of a speculative engine, which the gate weighs drafting against.
 ``fp8-k1`` / ``fp8-k3`` are ``dspark-k1`` / ``dspark-k3`` with the plugin's rowwise FP8
-draft LM head (``dspark_fp8_draft_head``): that head's share of the drafter's cost. For
+draft LM head (``dspark_fp8_draft_head``): that head's share of the drafter's cost.
+``lean-k7`` is the capacity sweep's ``sps-depth-plain-lean`` (dynamic depth, whose steps
+replay the graph of the depth drafted; plain and mixed steps; the drafting cuts). For
 each concurrency c (default 1, 64, 256) the arm runs c prompts of 128 tokens, 128 output
 tokens each, all submitted at once, once unrecorded (warm-up) and once recorded.
 
