@@ -14,10 +14,11 @@ over the step's time, and keeps the best. Every choice is optimistic:
   4R and 8R tokens, where the real cost bulges above its chords (the finer SPS curve,
   ``sps_curve_qwen3_8b.json``: 13.27 ms at 384 tokens against 12.02 on its chord from
   256 to 512);
-- a speculative step costs that forward, the draft graph at depth d
+- a speculative step costs that forward, what its R + N tokens add over R tokens' to the
+  logits and rejection sampling and to the drafter's context-K/V store (measured with the
+  forwards, linear between the same token counts), the draft graph at depth d
   (``depth_time.json``), and what a step without speculation spends outside its forward;
-  the context-K/V store, the larger rejection sampling and the controller's host work are
-  left out.
+  the controller's host work is left out.
 The ratio is to a step without speculation measured in the same run as the forwards.
 End to end (``end_to_end_ceiling``), a batch without speculation measured on the H200
 (``NOSPEC_BATCH_SOURCE``: all requests at once, --output-len tokens each) keeps its time
@@ -99,18 +100,21 @@ def _row(results: Path, name: str, arm: str, concurrency: int) -> dict:
 def measured_costs(
     results: Path, concurrency: int, vocab_share: float = 1.0, backbone_scale: float = 1.0
 ) -> dict:
-    """Forward ms at R * multiple tokens, the no-speculation step, and draft ms by depth.
+    """Forward ms at R * multiple tokens (with what verifying them adds over R tokens to
+    the logits and rejection sampling and to the drafter's context-K/V store: any
+    speculative step at that size pays it), the no-speculation step, and draft ms by depth.
     ``vocab_share`` < 1 (``dspark_draft_vocab``, a share of the vocabulary): each depth's
     time past the backbone, the per-position work that scores the vocabulary, shrinks to
     that share (the backbone taken as depth 1's time less one position's mean cost).
     ``backbone_scale`` < 1 (``dspark_fp8_draft_backbone``, an assumed speed-up): the
     backbone's time shrinks by it."""
+    nospec = _row(results, *FORWARD_SOURCES[1], concurrency)
     forward = {}
     for multiple, (name, arm) in FORWARD_SOURCES.items():
-        forward[concurrency * multiple] = _row(results, name, arm, concurrency)["phases_ms"][
-            "target_forward"
-        ]
-    nospec = _row(results, *FORWARD_SOURCES[1], concurrency)
+        phases = _row(results, name, arm, concurrency)["phases_ms"]
+        verification = phases["logits_rejection"] - nospec["phases_ms"]["logits_rejection"]
+        context_kv = phases.get("draft_context_kv") or 0.0
+        forward[concurrency * multiple] = phases["target_forward"] + verification + context_kv
     depths = _rows(results / DEPTH_SOURCE)
     draft = {r["depth"]: r["draft_ms"] for r in depths if r["concurrency"] == concurrency}
     backbone = draft[1] - (draft[K] - draft[1]) / (K - 1)

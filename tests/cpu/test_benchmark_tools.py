@@ -780,6 +780,34 @@ def test_the_capacity_ceiling_admits_what_pays_and_only_that():
     assert end_to_end_ceiling(2.0, 4 * 128 / (1.27), 4, 128, 10.0) == pytest.approx(2.0)
 
 
+def test_the_ceilings_speculative_forward_carries_what_verifying_its_tokens_adds(tmp_path):
+    """Logits and rejection sampling over R + N tokens, and the drafter's context-K/V
+    store, are paid by any speculative step: the ceiling's forward at each token count
+    carries their measured growth over a step without speculation."""
+    from capacity_ceiling import DEPTH_SOURCE, FORWARD_SOURCES, K, measured_costs
+
+    phases = {
+        "nospec": {"target_forward": 10.0, "logits_rejection": 0.5},
+        "dspark-k1": {"target_forward": 15.0, "logits_rejection": 1.0, "draft_context_kv": 0.3},
+        "dspark-k3": {"target_forward": 25.0, "logits_rejection": 2.0, "draft_context_kv": 0.4},
+        "conf-k7": {"target_forward": 45.0, "logits_rejection": 3.5, "draft_context_kv": 0.7},
+    }
+    files: dict[str, list] = {}
+    for name, arm in FORWARD_SOURCES.values():
+        row = {"arm": arm, "concurrency": 4, "phases_ms": phases[arm], "step_ms_median": 11.0}
+        files.setdefault(name, []).append(row)
+    files[DEPTH_SOURCE] = [
+        {"concurrency": 4, "depth": d, "draft_ms": 1.0 + 0.1 * d} for d in range(1, K + 1)
+    ]
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps({"rows": rows}))
+    costs = measured_costs(tmp_path, 4)
+    assert costs["forward_ms"] == pytest.approx(
+        {4: 10.0, 8: 15.0 + 0.5 + 0.3, 16: 25.0 + 1.5 + 0.4, 32: 45.0 + 3.0 + 0.7}
+    )
+    assert costs["nospec_step_ms"] == 11.0
+
+
 def test_a_drained_batch_lasts_until_its_slowest_request():
     from capacity_ceiling import drain
 
