@@ -138,9 +138,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 
-from offline_sweep import (  # noqa: E402
-    ARMS as SWEEP_ARMS,
-)
+from offline_sweep import ARMS as SWEEP_ARMS  # noqa: E402
 from offline_sweep import (  # noqa: E402
     DEFAULT_RATES,
     DRAFT_VOCAB,
