@@ -104,6 +104,9 @@ ARMS = {
         "dspark_fp8_markov_head": True,
         "dspark_draft_vocab": DRAFT_VOCAB,
     },
+    # Every drafting cut at a fixed k (FP8 layers and heads over part of the vocabulary; an
+    # engine of its own): the cheapest step a fixed depth drafts with.
+    "dspark-lean": LEAN_DRAFTING | {"dspark_fp8_markov_head": True},
     # vLLM's Dynamic SD: k by batch size (inclusive ranges), the table tune_dynamic_sd.py
     # derived from measured fixed-k rows, each charged the K-draft proposal Dynamic SD runs.
     "dynamic-sd": {"num_speculative_tokens_per_batch_size": DYNAMIC_SD_TABLE},
