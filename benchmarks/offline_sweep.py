@@ -89,6 +89,8 @@ LEAN_DRAFTING = {
     "dspark_fp8_draft_head": True,
     "dspark_draft_vocab": DRAFT_VOCAB,
 }
+# DSpark's lean drafting adds the Markov head in FP8 too (DFlash has none).
+LEAN_DSPARK = LEAN_DRAFTING | {"dspark_fp8_markov_head": True}
 
 ARMS = {
     "nospec": None,
@@ -106,7 +108,7 @@ ARMS = {
     },
     # Every drafting cut at a fixed k (FP8 layers and heads over part of the vocabulary; an
     # engine of its own): the cheapest step a fixed depth drafts with.
-    "dspark-lean": LEAN_DRAFTING | {"dspark_fp8_markov_head": True},
+    "dspark-lean": LEAN_DSPARK,
     # vLLM's Dynamic SD: k by batch size (inclusive ranges), the table tune_dynamic_sd.py
     # derived from measured fixed-k rows, each charged the K-draft proposal Dynamic SD runs.
     "dynamic-sd": {"num_speculative_tokens_per_batch_size": DYNAMIC_SD_TABLE},
@@ -141,13 +143,11 @@ ARMS = {
     "sps-depth-plain-fp8-backbone": SPS_DEPTH_PLAIN | {"dspark_fp8_draft_backbone": True},
     # ... drafting as cheaply as the plugin can: FP8 layers and heads over part of the
     # vocabulary (an engine of its own).
-    "sps-depth-plain-lean": SPS_DEPTH_PLAIN | LEAN_DRAFTING | {"dspark_fp8_markov_head": True},
+    "sps-depth-plain-lean": SPS_DEPTH_PLAIN | LEAN_DSPARK,
     # ... whose steps with prompts verify all K drafts (dspark_mixed_steps=false; the
     # default before 8824b10's refill run): what mixed steps add under --refill (with
     # --shared-engine, switched in sps-depth-plain-lean's engine).
-    "sps-depth-plain-lean-unmixed": SPS_DEPTH_PLAIN
-    | LEAN_DRAFTING
-    | {"dspark_fp8_markov_head": True, "dspark_mixed_steps": False},
+    "sps-depth-plain-lean-unmixed": SPS_DEPTH_PLAIN | LEAN_DSPARK | {"dspark_mixed_steps": False},
     # ... drafting over part of the vocabulary (an engine of its own).
     "sps-depth-plain-vocab": SPS_DEPTH_PLAIN | {"dspark_draft_vocab": DRAFT_VOCAB},
     # sps-plain whose gate weighs the request drafting worst: a batch submitted at once
