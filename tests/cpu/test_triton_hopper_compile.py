@@ -93,3 +93,17 @@ def test_fp8_head_kernels(compiled, rows):
     kernels.fp8_head_argmax(x, head, config=config)
     assert {"_quantize_rows_kernel", "_argmax_finalize_kernel"} <= set(compiled)
     assert {"_fp8_head_kernel", "_fp8_head_tma_kernel"} & set(compiled)
+
+
+@pytest.mark.parametrize("statistics", [(True, True), (False, False)])
+def test_confidence_kernel(compiled, statistics):
+    from vllm_dspark.capacity.confidence_kernel import confidence_logit
+
+    hidden, rank = 64, 16
+    weight = torch.randn(hidden + rank + sum(statistics))
+    rows = torch.randn(3, 7, hidden, dtype=torch.bfloat16)
+    logits = torch.randn(3, 500, dtype=torch.bfloat16)
+    confidence_logit(
+        rows[:, 2], torch.randn(3, rank), logits, weight, torch.zeros(()), *statistics, -1e-3
+    )
+    assert compiled == ["_confidence_logit_kernel"]

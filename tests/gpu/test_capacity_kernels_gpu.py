@@ -1,7 +1,8 @@
 """On a GPU: the capacity-control kernels compute what their PyTorch definitions say (the
 CPU suite checks the same under Triton's interpreter): the compaction of a verification
-batch, each proposal's statistics and each verified step's counts; and proposals'
-survivals reach the host intact through pinned memory without a sync."""
+batch, each proposal's statistics, each verified step's counts and each draft position's
+confidence logit; and proposals' survivals reach the host intact through pinned memory
+without a sync."""
 
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
 from test_compaction_kernel import NUM_REQS, check_kernel_against_layout  # noqa: E402
+from test_confidence_kernel import CASES as CONFIDENCE_CASES  # noqa: E402
+from test_confidence_kernel import check_kernel_against_head  # noqa: E402
 from test_physical_depth import check_snapshots  # noqa: E402
 from test_proposal_kernel import CASES, check_kernel_against_definitions  # noqa: E402
 from test_verification_kernel import CASES as VERIFIED_STEPS  # noqa: E402
@@ -36,3 +39,8 @@ def test_verification_kernel_matches_the_definition(case):
 
 def test_survival_snapshots_reach_the_host_as_taken():
     check_snapshots(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("case", CONFIDENCE_CASES)
+def test_confidence_kernel_matches_the_head(case):
+    check_kernel_against_head(case, torch.device("cuda"))

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from vllm_dspark.capacity.confidence_kernel import confidence_logit
 from vllm_dspark.config import KEY_PREFIX, DSparkOptionError
+from vllm_dspark.triton_path import use_triton
 
 CALIBRATION_FILE = "dspark_calibration.json"
 PREFIX = "confidence_head."
@@ -140,7 +142,31 @@ class ConfidenceHead(torch.nn.Module):
         position: int = 0,
     ) -> torch.Tensor:
         """Confidence logits z_k of draft position ``position`` (0-based): [rows, H],
-        [rows, r], draft logits [rows, V] -> [rows]."""
+        [rows, r], draft logits [rows, V] -> [rows]. On a GPU one kernel computes it
+        (:mod:`vllm_dspark.capacity.confidence_kernel`)."""
+        row = position if self.per_position else 0
+        if use_triton(logits):
+            return confidence_logit(
+                hidden,
+                markov_embed,
+                logits,
+                self.weight[row],
+                self.bias[row],
+                self.reads_draft_logprob,
+                self.reads_draft_miss_logprob,
+                TOP1_LOGPROB_CAP,
+            )
+        return self.definition(hidden, markov_embed, logits, position)
+
+    def definition(
+        self,
+        hidden: torch.Tensor,
+        markov_embed: torch.Tensor,
+        logits: torch.Tensor,
+        position: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`forward` in PyTorch (the CPU path, and what the kernel is tested on)."""
+        row = position if self.per_position else 0
         parts = [hidden.float(), markov_embed.float()]
         if self.reads_draft_logprob or self.reads_draft_miss_logprob:
             top1 = top1_logprob(logits)
@@ -148,7 +174,6 @@ class ConfidenceHead(torch.nn.Module):
                 draft_statistics(top1, self.reads_draft_logprob, self.reads_draft_miss_logprob)
             )
         features = torch.cat(parts, dim=-1)
-        row = position if self.per_position else 0
         return features @ self.weight[row] + self.bias[row]
 
     @classmethod
