@@ -98,9 +98,10 @@ use_recalibrated() {
 quiet() { grep --line-buffered -v "^INFO\|^WARNING\|^(EngineCore[^)]*) \(INFO\|WARNING\|DEBUG\)\|^\[" ; }
 case "$stage" in
   kernels)
-    PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_capacity_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
+    vllm_env  # the confidence kernel's test builds the plugin's head (pydantic, vLLM)
+    PYTHONPATH=.:$PYTHONPATH timeout 200 python3 -m pytest tests/gpu/test_fp8_head_kernel.py tests/gpu/test_capacity_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
     tests_rc=${PIPESTATUS[0]}  # the stage's status: a queue gate ("kernels!") reads it
-    [ "${3:-}" = tests ] || PYTHONPATH=. timeout 200 python3 benchmarks/bench_fp8_draft_head.py --out "$OUT/fp8_head.json" 2>&1 | tail -30
+    [ "${3:-}" = tests ] || PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/bench_fp8_draft_head.py --out "$OUT/fp8_head.json" 2>&1 | tail -30
     exit "$tests_rc"
     ;;
   sharded-heads)
