@@ -109,6 +109,7 @@ class AdmissionCounts:
     per_request_overhead_us: float = 0.0
     per_draft_overhead_us: float = 0.0
     skipped_proposal_ms: float = 0.0  # what a proposal the draft gate skips still costs
+    compaction_ms: float = 0.0  # what compacting a step costs beyond vLLM's own step (C)
     plain_step_ms: float = 0.0  # plain_steps: a plain step's time outside the curve (P)
     plain_per_request_us: float = 0.0  # and per request (p)
     proposals_at_depth: list[int] = field(default_factory=list)  # drafting ones, depth 1..K
@@ -129,6 +130,7 @@ class AdmissionCounts:
             self.per_request_overhead_us,
             self.per_draft_overhead_us,
             self.skipped_proposal_ms,
+            self.compaction_ms,
             self.plain_step_ms,
             self.plain_per_request_us,
             [a - b for a, b in zip(self.proposals_at_depth, other.proposals_at_depth, strict=True)],
@@ -167,6 +169,7 @@ def _overhead(step_overhead) -> dict:
         "per_request_overhead_us": round(step_overhead.per_request_seconds * 1e6, 3),
         "per_draft_overhead_us": round(step_overhead.per_draft_seconds * 1e6, 3),
         "skipped_proposal_ms": round(step_overhead.skip_seconds * 1e3, 4),
+        "compaction_ms": round(step_overhead.compaction_seconds * 1e3, 4),
         "plain_step_ms": round(step_overhead.plain_seconds * 1e3, 4),
         "plain_per_request_us": round(step_overhead.plain_per_request_seconds * 1e6, 3),
     }

@@ -181,6 +181,36 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
     assert patch._step_mask_var.get() is None  # reset after the step
 
 
+@pytest.mark.parametrize(
+    ("options", "compacted"),
+    [
+        ({"dspark_budget_frac": 0.25}, True),
+        ({"dspark_budget_frac": 0.25, "dspark_varlen_verify": False}, False),  # masked
+        ({"dspark_budget_frac": 1.0}, False),  # every draft: vLLM's own step
+    ],
+)
+def test_a_step_is_marked_compacted_for_the_overhead_fit(plugin_speculator, options, compacted):
+    """The step overhead times compacted steps apart (their premium C,
+    capacity/step_overhead.py): only a step whose batch is rewritten counts as one."""
+    from vllm_dspark.patches import compact_verification as patch
+
+    speculator = plugin_speculator(dspark_capacity="budget", **options)
+    marked = []
+
+    def execute_model(self, scheduler_output):
+        marked.append(self.speculator.step_compacted)
+
+    runner = SimpleNamespace(
+        speculator=speculator,
+        req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
+        sampler=SimpleNamespace(returns_logprobs=lambda slots: False),
+    )
+    step = scheduler_output({"a": 1 + K, "b": 1 + K}, {"a": [-1] * K, "b": [-1] * K})
+    step.num_spec_tokens_to_schedule = K
+    patch._make_execute_wrapper(execute_model)(runner, step)
+    assert marked == [compacted]
+
+
 def scheduler_output(counts, drafts, structured=False, new=()):
     return SimpleNamespace(
         num_scheduled_tokens=counts,

@@ -62,7 +62,7 @@ def test_sps_reports_the_step_overhead_it_plans_with():
 
     overhead = StepOverhead(torch.device("cpu"), fixed_seconds=0.0025)
     overhead.per_request_seconds, overhead.per_draft_seconds = 2e-6, 1.5e-5
-    overhead.skip_seconds = 1.25e-3
+    overhead.skip_seconds, overhead.compaction_seconds = 1.25e-3, 6e-4
     overhead.plain_seconds, overhead.plain_per_request_seconds = 1.1e-3, 4e-6
     gauges = _overhead(overhead)
     assert gauges == {
@@ -70,6 +70,7 @@ def test_sps_reports_the_step_overhead_it_plans_with():
         "per_request_overhead_us": 2.0,
         "per_draft_overhead_us": 15.0,
         "skipped_proposal_ms": 1.25,
+        "compaction_ms": 0.6,
         "plain_step_ms": 1.1,
         "plain_per_request_us": 4.0,
     }
@@ -77,4 +78,5 @@ def test_sps_reports_the_step_overhead_it_plans_with():
     difference = counts - AdmissionCounts(num_drafts=7)
     assert (difference.step_overhead_ms, difference.skipped_proposal_ms) == (2.5, 1.25)  # gauges
     assert (difference.plain_step_ms, difference.plain_per_request_us) == (1.1, 4.0)
+    assert difference.compaction_ms == 0.6
     assert _overhead(None) == {}

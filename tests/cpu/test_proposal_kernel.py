@@ -14,7 +14,16 @@ from vllm_dspark.capacity.allocation import (
 )
 
 K, MAX_NUM_REQS = 7, 24
-CASES = [(1, 0.0, 0.0), (3, 0.002, 0.0), (16, 0.001, 2e-5), (24, 0.0, 0.0), (24, 0.004, 1e-4)]
+# (requests, O + a R, b, C): with C, full admission (no premium) against compacted ones.
+CASES = [
+    (1, 0.0, 0.0, 0.0),
+    (3, 0.002, 0.0, 0.0),
+    (16, 0.001, 2e-5, 0.0),
+    (24, 0.0, 0.0, 0.0),
+    (24, 0.004, 1e-4, 0.0),
+    (16, 0.001, 2e-5, 0.003),
+    (24, 0.0, 0.0, 0.05),
+]
 
 
 def test_kernel_under_triton_interpreter():
@@ -36,14 +45,17 @@ def check_kernel_against_definitions(case, device: torch.device) -> None:
     """Also run on a GPU by tests/gpu/test_capacity_kernels_gpu.py."""
     from vllm_dspark.capacity.proposal_kernel import proposal_stats
 
-    num_reqs, fixed, per_draft = case
+    num_reqs, fixed, per_draft, compaction = case
     survival = survivals(num_reqs, torch.Generator().manual_seed(num_reqs))
     curve = [(1, 250.0), (16, 240.0), (64, 200.0), (200, 90.0)]
     table = sps_table_from_curve(curve, MAX_NUM_REQS * (1 + K))
     stats = proposal_stats(
-        survival.to(device), table.to(device), fixed, per_draft, 0.4, MAX_NUM_REQS
+        survival.to(device), table.to(device), fixed, per_draft, compaction, 0.4, MAX_NUM_REQS
     )
-    assert stats.sps_count.item() == sps_best_count(survival, table, fixed, per_draft)
+    wanted = sps_best_count(survival, table, fixed, per_draft, compaction)
+    assert stats.sps_count.item() == wanted
+    if compaction >= 0.05:  # dearer than any compacted admission could gain: all of them
+        assert wanted == num_reqs * K
     assert stats.threshold_count.item() == threshold_count(survival, 0.4)
     sums = survival.clamp(min=0).sum(dim=0)
     assert torch.allclose(stats.position_sums.cpu(), sums, rtol=1e-6)
@@ -60,7 +72,7 @@ def test_interpreted_kernel_without_an_sps_table_counts_the_threshold():
     from vllm_dspark.capacity.proposal_kernel import proposal_stats
 
     survival = survivals(5, torch.Generator().manual_seed(0))
-    stats = proposal_stats(survival, None, 0.0, 0.0, 0.4, MAX_NUM_REQS)
+    stats = proposal_stats(survival, None, 0.0, 0.0, 0.0, 0.4, MAX_NUM_REQS)
     assert stats.position_sums.shape == (K,)
     assert stats.threshold_count.item() == threshold_count(survival, 0.4)
 

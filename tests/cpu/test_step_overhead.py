@@ -47,9 +47,9 @@ def fitted(drafts, residuals) -> tuple[float, float]:
     """(O, b) of a window at one batch size."""
     fit = OverheadFit()
     fit.add(np.full(len(drafts), 64.0), drafts, residuals)
-    fixed, per_request, per_draft, skip = fit.estimate()
+    fixed, per_request, per_draft, skip, compaction = fit.estimate()
     assert per_request == pytest.approx(0.0, abs=1e-12)  # the batch size never varied
-    assert skip == 0.0  # nothing was skipped
+    assert skip == compaction == 0.0  # nothing was skipped, nor compacted
     return fixed, per_draft
 
 
@@ -69,7 +69,7 @@ def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
     fit = OverheadFit()
     fit.add(requests, drafts, 1e-3 + 1e-5 * drafts)
     fit.add(requests, np.full(WINDOW, 300.0), np.full(WINDOW, 1e-3 + 1e-5 * 300))
-    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5, 0.0), rel=1e-3, abs=1e-12)
+    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5, 0.0, 0.0), rel=1e-3, abs=1e-12)
 
 
 def test_the_fit_also_finds_the_time_per_request():
@@ -80,7 +80,7 @@ def test_the_fit_also_finds_the_time_per_request():
     drafts = np.floor(requests * rng.uniform(0, 7, WINDOW))
     fit = OverheadFit()
     fit.add(requests, drafts, 5e-4 + 8e-6 * requests + 3e-6 * drafts)
-    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6, 0.0), rel=1e-2)
+    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6, 0.0, 0.0), rel=1e-2)
 
 
 def test_the_fit_finds_what_a_skipped_proposal_costs():
@@ -92,8 +92,23 @@ def test_the_fit_finds_what_a_skipped_proposal_costs():
     requests = np.full(WINDOW, 16.0)
     fit = OverheadFit()
     fit.add(requests, drafts, 1e-3 + 1e-5 * drafts + 1.5e-3 * skipped, skipped)
-    fixed, _, per_draft, skip = fit.estimate()
+    fixed, _, per_draft, skip, _ = fit.estimate()
     assert (fixed, per_draft, skip) == pytest.approx((1e-3, 1e-5, 1.5e-3), rel=2e-2)
+
+
+def test_the_fit_finds_what_compacting_costs():
+    # Compacted steps (16 to 104 drafts of 16 x 7) cost 0.8 ms on top of the 1 ms every
+    # step pays and 10 us per draft; a step verifying all 112 runs uncompacted.
+    rng = np.random.default_rng(2)
+    full = np.arange(WINDOW) % 4 == 0
+    drafts = np.where(full, 112.0, rng.integers(16, 105, WINDOW))
+    compacted = (~full).astype(np.float64)
+    fit = OverheadFit()
+    residuals = 1e-3 + 1e-5 * drafts + 8e-4 * compacted
+    fit.add(np.full(WINDOW, 16.0), drafts, residuals, None, compacted)
+    fixed, _, per_draft, skip, compaction = fit.estimate()
+    assert (fixed, per_draft, compaction) == pytest.approx((1e-3, 1e-5, 8e-4), rel=2e-2)
+    assert skip == 0.0
 
 
 def test_the_measurement_follows_the_admission():
@@ -194,6 +209,23 @@ def test_overhead_opens_the_draft_gate_on_a_host_bound_step():
     )
 
 
+def test_the_gate_prices_compacted_steps_with_their_premium():
+    """A step after a skipped proposal is compacted to no draft, and so is a proposal's
+    step verifying fewer than K drafts a request: both pay C; all K drafts do not."""
+    tokens = torch.arange(256 * 8 + 1, dtype=torch.float64)
+    sps = 1000.0 / (0.1 + 0.01 * tokens)
+    gate = DraftGate(sps, {7: draft_seconds_table([(1, 0.3), (256, 1.0)], 256)})
+    survival = [0.7, 0.5, 0.35, 0.25, 0.17, 0.12, 0.08]
+    costs = {"overhead_s": 0.0027, "per_draft_s": 0.0}
+    best, without = gate.gains(4, survival, 7, **costs)
+    best_c, without_c = gate.gains(4, survival, 7, **costs, compaction_s=0.001)
+    assert without_c == pytest.approx(4 / (4 / without + 0.001))
+    assert best_c == pytest.approx(best)  # its best verifies all 7: uncompacted
+    shallow, _ = gate.gains(4, survival, 3, **costs)
+    shallow_c, _ = gate.gains(4, survival, 3, **costs, compaction_s=0.001)
+    assert shallow_c < shallow  # 3 of 7 drafts: compacted
+
+
 def test_per_draft_time_limits_what_sps_admits():
     survival = torch.tensor([0.95, 0.6, 0.3, 0.1]).repeat(4, 1)
     flat = sps_table_from_curve([(1, 1000.0), (64, 1000.0)], 20)
@@ -246,6 +278,8 @@ def run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period):
     for _ in range(num_steps):
         budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
         speculator.step_tokens = num_reqs + budget
+        # What compact_verification's wrapper marks: all R K drafts run vLLM's own step.
+        speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
         clock.now += period(budget, drafted)
         speculator.observe_step(num_reqs)
         drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
@@ -301,6 +335,78 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_sp
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
         num_reqs, survival.mean(dim=0).tolist(), K
     )
+
+
+def compaction_loop(plugin_speculator, num_reqs, curve, compaction_s, num_steps):
+    """A host-bound engine (the embedded pair's kind): 2.5 ms per step outside the
+    forward, 1 us per verified draft, a 0.3 ms proposal, and ``compaction_s`` more in a
+    step that verifies fewer than all R K drafts. Returns (speculator, budgets, true
+    tokens per second of an admission)."""
+    from test_compact_verification import K
+
+    fixed_s, per_draft_s, draft_s = 2.5e-3, 1e-6, 3e-4
+    speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
+    # Requests from doubtful to confident: the doubtful ones' last drafts rarely survive.
+    confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
+    survival = torch.cumprod(confidence, dim=1)
+    table = speculator.sps_table_host
+    full = num_reqs * K
+
+    def step_seconds(drafts: int) -> float:
+        premium = compaction_s if drafts < full else 0.0
+        forward = 1 / float(table[num_reqs + drafts])
+        return forward + draft_s + fixed_s + per_draft_s * drafts + premium
+
+    def true_rate(drafts: int) -> float:
+        ordered = survival.flatten().sort(descending=True).values
+        return (num_reqs + float(ordered[:drafts].sum())) / step_seconds(drafts)
+
+    def period(budget: int, drafted: bool) -> float:
+        return step_seconds(budget) - (0.0 if drafted else draft_s)
+
+    budgets, _ = run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period)
+    return speculator, budgets, true_rate
+
+
+def test_sps_verifies_everything_where_compacting_costs_more_than_it_saves(plugin_speculator):
+    """On a flat curve (a tiny target) compacting saves almost no forward time, and on
+    the embedded pair it costs host time (input preparation 2.06 against 1.25 ms at 256
+    requests, bfbca4e). Blind to that, sps leaves out the unlikeliest drafts and runs
+    compacted steps; probing uncompacted steps now and then, it learns C and verifies
+    every draft, through vLLM's own step."""
+    from test_compact_verification import K
+
+    num_reqs, compaction_s = 32, 1e-3
+    flat = [[1, 8000.0], [64, 7900.0], [256, 7500.0]]
+    speculator, budgets, true_rate = compaction_loop(
+        plugin_speculator, num_reqs, flat, compaction_s, 24 * WINDOW
+    )
+    full = num_reqs * K
+    # Once the first proposal is read it compacts: the premium is not known yet.
+    assert max(budgets[2:WINDOW]) < full
+    overhead = speculator.step_overhead
+    assert overhead.compaction_seconds == pytest.approx(compaction_s, rel=0.05)
+    settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
+    assert settled == full
+    assert true_rate(full) > 1.2 * true_rate(budgets[2])
+
+
+def test_sps_keeps_compacting_where_it_saves_more_than_it_costs(plugin_speculator):
+    """A steep curve (a large target under load): compacting saves far more forward time
+    than the premium costs, no uncompacted probe is spent there, and sps keeps the
+    admission that pays."""
+    from test_compact_verification import K
+
+    num_reqs = 32
+    steep = [[1, 4000.0], [32, 3000.0], [256, 300.0]]
+    speculator, budgets, true_rate = compaction_loop(
+        plugin_speculator, num_reqs, steep, 1e-3, 16 * WINDOW
+    )
+    full = num_reqs * K
+    assert full not in budgets[2:]  # (before the first proposal is read, all are verified)
+    best = max(range(full + 1), key=true_rate)
+    settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
+    assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
 
 
 def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(plugin_speculator):

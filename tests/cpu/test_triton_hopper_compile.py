@@ -58,7 +58,7 @@ def test_proposal_kernel(compiled, with_sps):
 
     survival = torch.rand(5, 7)
     table = torch.rand(256 * 8 + 1) if with_sps else None
-    proposal_stats(survival, table, 1e-3, 1e-6, 0.5, max_num_reqs=256)
+    proposal_stats(survival, table, 1e-3, 1e-6, 2e-4, 0.5, max_num_reqs=256)
     assert compiled == ["_proposal_stats_kernel"]
 
 

@@ -76,7 +76,7 @@ def main() -> None:
         logits = (torch.randn(num_reqs, K, generator=gen, device=device) * 4 + shift).round() / 2
         survival = prefix_survival(logits, temperatures)
         survival[:, depth.depth :] = UNCOMPUTED_SURVIVAL
-        stats = proposal_stats(survival, table, 0.002, 2e-5, 0.4, MAX_NUM_REQS)
+        stats = proposal_stats(survival, table, 0.002, 2e-5, 0.001, 0.4, MAX_NUM_REQS)
         budget = [
             admission_budget(num_reqs, K, 0.5),
             stats.threshold_count.long(),

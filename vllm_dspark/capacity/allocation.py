@@ -125,19 +125,22 @@ def sps_rates(
     sps_table: torch.Tensor,
     fixed_seconds: float | torch.Tensor = 0.0,
     per_draft_seconds: float = 0.0,
+    compaction_seconds: float = 0.0,
 ) -> torch.Tensor:
     """Expected tokens per second of admitting the n best slots, n = 0..R*K: (R + sum of
-    the n best survivals) / (1 / SPS(R + n) + ``fixed_seconds`` + n ``per_draft_seconds``),
-    with the step's time outside the curve's forward (:mod:`step_overhead`);
+    the n best survivals) / (1 / SPS(R + n) + ``fixed_seconds`` + n ``per_draft_seconds``
+    + ``compaction_seconds`` where n < R*K), with the step's time outside the curve's
+    forward (:mod:`step_overhead`; all R*K drafts run vLLM's own step, uncompacted);
     ``fixed_seconds`` may be one per batch ([..., 1]). ``sps_table[T]`` covers T up to
     R * (1 + K). [..., R, K] -> [..., R*K + 1]."""
-    num_reqs = survival.shape[-2]
+    num_reqs, num_drafts = survival.shape[-2:]
     ordered = survival.flatten(-2).sort(dim=-1, descending=True).values
     zero = ordered.new_zeros(ordered.shape[:-1] + (1,))
     expected = num_reqs + torch.cat([zero, torch.cumsum(ordered, dim=-1)], dim=-1)
     counts = torch.arange(expected.shape[-1], device=survival.device)
     step_seconds = sps_table[num_reqs + counts].reciprocal() + fixed_seconds
     step_seconds = step_seconds + per_draft_seconds * counts
+    step_seconds = step_seconds + compaction_seconds * (counts < num_reqs * num_drafts)
     return expected / step_seconds
 
 
@@ -147,16 +150,18 @@ def best_rates_by_depth(
     sps_table: torch.Tensor,
     fixed_seconds: float | torch.Tensor = 0.0,
     per_draft_seconds: float = 0.0,
+    compaction_seconds: float = 0.0,
 ) -> torch.Tensor:
     """For each depth d of ``depths`` [D]: the most expected tokens per second of sps's
     admission (:func:`sps_rates`) had the proposal computed only its first d positions
-    (the rest ranked last, as :data:`UNCOMPUTED_SURVIVAL`); ``fixed_seconds`` for all, or
-    one per depth ([D]). [..., R, K] -> [..., D]."""
+    (the rest ranked last, as :data:`UNCOMPUTED_SURVIVAL`: a depth short of K verifies
+    compacted); ``fixed_seconds`` for all, or one per depth ([D]). [..., R, K] -> [..., D]."""
     computed = torch.arange(survival.shape[-1]) < depths[:, None]  # [D, K]
     drafted = torch.where(computed[:, None, :], survival.unsqueeze(-3), UNCOMPUTED_SURVIVAL)
     if isinstance(fixed_seconds, torch.Tensor):
         fixed_seconds = fixed_seconds[:, None]
-    return sps_rates(drafted, sps_table, fixed_seconds, per_draft_seconds).amax(dim=-1)
+    rates = sps_rates(drafted, sps_table, fixed_seconds, per_draft_seconds, compaction_seconds)
+    return rates.amax(dim=-1)
 
 
 def sps_best_count(
@@ -164,10 +169,12 @@ def sps_best_count(
     sps_table: torch.Tensor,
     fixed_seconds: float = 0.0,
     per_draft_seconds: float = 0.0,
+    compaction_seconds: float = 0.0,
 ) -> torch.Tensor:
     """The admission count n in 0..R*K of most expected tokens per second
     (:func:`sps_rates`): the budget ``sps`` asks for. [..., R, K] -> [...] int64."""
-    return sps_rates(survival, sps_table, fixed_seconds, per_draft_seconds).argmax(dim=-1)
+    rates = sps_rates(survival, sps_table, fixed_seconds, per_draft_seconds, compaction_seconds)
+    return rates.argmax(dim=-1)
 
 
 def masked_forward_table(sps_table: torch.Tensor, num_reqs: int, num_drafts: int) -> torch.Tensor:

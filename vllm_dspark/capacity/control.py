@@ -183,6 +183,8 @@ class CapacityControl(DepthControl):
         self.gate_depth = num_drafts  # the depth the draft gate last let a proposal draft
         self.open_verdict_pending = False
         self.step_plain = False  # the running step is a plain decode step (set beside step_tokens)
+        self.step_compacted = False  # ... a compacted decode step
+        self.full_probe_next = False  # sps: whether the next probe verifies all R K drafts
         self.plain_cost_probe = PlainCostProbe() if options.plain_steps else None
         # acceptance: a depth from verified steps' acceptance per position (their counts
         # of verifications reaching, then accepting, each position: 2 K values).
@@ -361,6 +363,7 @@ class CapacityControl(DepthControl):
             skip_s=overhead.skip_seconds,
             plain_s=plain,
             survival=by_slot,
+            compaction_s=overhead.compaction_seconds,
         )
         self.gate_depth = self.draft_gate.depth_chosen
         return gate_open
@@ -427,6 +430,7 @@ class CapacityControl(DepthControl):
             return
         tokens, self.step_tokens = self.step_tokens, None
         plain, self.step_plain = self.step_plain, False
+        compacted, self.step_compacted = self.step_compacted, False
         if tokens is None or tokens >= len(self.sps_table_host):
             # Not a decode step, or beyond the table: outside what the curve describes.
             self.step_overhead.observe(None, 0.0, 0.0)
@@ -435,7 +439,7 @@ class CapacityControl(DepthControl):
         drafts = tokens - num_reqs
         draft_s = 0.0 if plain else self._draft_seconds(num_reqs)
         skipped = not self.drafted_last and not plain
-        self.step_overhead.observe(drafts, forward, draft_s, num_reqs, skipped, plain)
+        self.step_overhead.observe(drafts, forward, draft_s, num_reqs, skipped, plain, compacted)
 
     def _draft_seconds(self, num_reqs: int) -> float:
         """The profiled time of the last proposal (0 when it was skipped)."""
@@ -473,10 +477,20 @@ class CapacityControl(DepthControl):
         wanted = round(self.stale_budget.per_request() * num_reqs)
         # At least one draft: a compacted step always has drafts to verify.
         budget = max(1, min(cap, wanted))
-        return self._vary_admission(budget, budget) if measuring else budget
+        if not measuring:
+            return budget
+        full = num_reqs * num_drafts
+        if self.options.capacity == "sps" and budget < cap == full and not self.masked_step_drafts:
+            uncompacted = functools.partial(self._compaction_could_decide, num_reqs, budget)
+            return self._vary_admission(budget, budget, full_probe=(full, uncompacted))
+        return self._vary_admission(budget, budget)
 
     def _vary_admission(
-        self, budget: int, drafts: int, worth_it: Callable[[], bool] | None = None
+        self,
+        budget: int,
+        drafts: int,
+        worth_it: Callable[[], bool] | None = None,
+        full_probe: tuple[int, Callable[[], bool]] | None = None,
     ) -> int:
         """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY of
         those verifying ``drafts`` >= EXPLORE_MIN_DRAFTS verifies the better half of its
@@ -484,8 +498,11 @@ class CapacityControl(DepthControl):
         only) says its reading could change no decision. Steps that all verify the same
         number of drafts (an admission that has settled) cannot tell the per-draft time
         from the per-step time (``step_overhead``); this step can, for the price of its
-        less likely half of the drafts. A function of the step count, the step's drafts
-        and host values every rank holds alike: lossless, and the same on every rank."""
+        less likely half of the drafts. ``full_probe``: (all R K drafts, whether the
+        compaction premium could decide): every other probe then verifies all of them,
+        uncompacted, where that could decide, so that C is measured against steps that
+        were not compacted. A function of the step count, the step's drafts and host
+        values every rank holds alike: lossless, and the same on every rank."""
         if drafts < EXPLORE_MIN_DRAFTS or budget < 2:
             return budget
         self.steps_since_varied += 1
@@ -494,7 +511,26 @@ class CapacityControl(DepthControl):
         self.steps_since_varied = 0
         if worth_it is not None and not worth_it():
             return budget
+        if full_probe is not None:
+            full, could_decide = full_probe
+            self.full_probe_next = not self.full_probe_next
+            if self.full_probe_next and could_decide():
+                return full
         return budget // 2
+
+    def _compaction_could_decide(self, num_reqs: int, budget: int) -> bool:
+        """sps: whether verifying ``budget`` drafts compacted rather than all R K saves less
+        time (forward and per-draft) than the step's overhead O + a R, of which the
+        compaction premium C is a part: only then could C turn the admission to all. At
+        256 requests of the Qwen3-8B shape compacting saves tens of ms (no full probe),
+        on the embedded pair a tenth of a ms. Never before the overhead is fitted."""
+        overhead, table = self.step_overhead, self.sps_table_host
+        full = num_reqs * self.num_speculative_steps
+        if not overhead.ready or table is None or num_reqs + full >= len(table):
+            return False
+        forward_saved = 1.0 / float(table[num_reqs + full]) - 1.0 / float(table[num_reqs + budget])
+        saved = forward_saved + overhead.per_draft_seconds * (full - budget)
+        return saved < overhead.per_step_seconds(num_reqs)
 
     def verify_capacity(
         self, slots: torch.Tensor, budget: int, emit_room: torch.Tensor | None = None
@@ -598,13 +634,14 @@ class CapacityControl(DepthControl):
         num_reqs = survival.shape[0]
         sps = self.options.capacity == "sps"
         threshold = self.options.confidence_threshold
-        fixed = per_draft = 0.0
+        fixed = per_draft = compaction = 0.0
         sps_table = None
         if sps:
-            # The next step's time beyond its forward: O + a R, its proposal, b per draft.
+            # The next step's time beyond its forward: O + a R, its proposal, b per draft,
+            # C if compacted.
             overhead = self.step_overhead
             fixed = overhead.per_step_seconds(num_reqs) + self._draft_seconds(num_reqs)
-            per_draft = overhead.per_draft_seconds
+            per_draft, compaction = overhead.per_draft_seconds, overhead.compaction_seconds
             sps_table = masked_forward_table(self.sps_table, num_reqs, self.masked_step_drafts)
         if use_triton(survival):
             stats = proposal_stats(
@@ -612,6 +649,7 @@ class CapacityControl(DepthControl):
                 sps_table,
                 fixed,
                 per_draft,
+                compaction,
                 threshold,
                 self.max_num_reqs,
             )
@@ -620,7 +658,7 @@ class CapacityControl(DepthControl):
         else:
             sums = survival.clamp(min=0).sum(dim=0)
             if sps:
-                wanted = sps_best_count(survival, sps_table, fixed, per_draft)
+                wanted = sps_best_count(survival, sps_table, fixed, per_draft, compaction)
             else:
                 wanted = threshold_count(survival, threshold)
         if self.slowest_request is not None:

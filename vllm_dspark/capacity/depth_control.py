@@ -116,12 +116,13 @@ class DepthControl:
         total = np.zeros(num_drafts)
         for num_reqs in sorted({len(s) for s in snapshots}):
             group = torch.stack([s for s in snapshots if len(s) == num_reqs]).double()
-            fixed = per_draft = 0.0
-            if self.step_overhead is not None and self.step_overhead.ready:
-                fixed = self.step_overhead.per_step_seconds(num_reqs)
-                per_draft = self.step_overhead.per_draft_seconds
+            fixed = per_draft = compaction = 0.0
+            overhead = self.step_overhead
+            if overhead is not None and overhead.ready:
+                fixed = overhead.per_step_seconds(num_reqs)
+                per_draft, compaction = overhead.per_draft_seconds, overhead.compaction_seconds
             draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
             table = masked_forward_table(self.sps_table_host, num_reqs, self.masked_step_drafts)
-            rates = best_rates_by_depth(group, depths, table, fixed + draft, per_draft)
+            rates = best_rates_by_depth(group, depths, table, fixed + draft, per_draft, compaction)
             total += rates.sum(dim=0).numpy()
         return total

@@ -183,34 +183,47 @@ class DraftGate:
         skip_s: float = 0.0,
         plain_s: float | None = None,
         survival: torch.Tensor | None = None,
+        compaction_s: float = 0.0,
     ) -> tuple[float, float]:
         """(best expected tokens/s with drafting, tokens/s without: a plain step's when
         ``plain_s`` is given, else a speculative step's after a skipped proposal).
         ``survival``: a recent proposal's [R', K] survivals (R' >= SURVIVAL_MEMORY), which
-        value drafting as ``sps`` admits, by slot (:meth:`_admission_rate`)."""
-        if plain_s is None:  # a speculative step verifying nothing
-            without = num_reqs / (self._forward_seconds(num_reqs, 0) + overhead_s + skip_s)
+        value drafting as ``sps`` admits, by slot (:meth:`_admission_rate`).
+        ``compaction_s``: what a compacted step costs beyond vLLM's own, paid by every
+        step verifying fewer than all K drafts a request (none after a skipped proposal)."""
+        if plain_s is None:  # a speculative step verifying nothing, compacted
+            without_s = self._forward_seconds(num_reqs, 0) + overhead_s + skip_s + compaction_s
+            without = num_reqs / without_s
         else:  # a plain decode step: R tokens, compacted or not
             without = num_reqs / (1.0 / float(self.sps_table[num_reqs]) + plain_s)
         fixed = proposal_seconds(self.draft_seconds, num_reqs, depth) + overhead_s
         if survival is not None:
-            return self._admission_rate(survival, num_reqs, depth, fixed, per_draft_s), without
+            rate = self._admission_rate(survival, num_reqs, depth, fixed, per_draft_s, compaction_s)
+            return rate, without
         best, expected = 0.0, 1.0
         for j in range(1, depth + 1):
             expected += max(0.0, mean_survival[j - 1])
             step = self._forward_seconds(num_reqs, j) + fixed + per_draft_s * num_reqs * j
+            step += compaction_s if j < len(mean_survival) else 0.0
             best = max(best, num_reqs * expected / step)
         return best, without
 
     def _admission_rate(
-        self, survival: torch.Tensor, num_reqs: int, depth: int, fixed_s: float, per_draft_s: float
+        self,
+        survival: torch.Tensor,
+        num_reqs: int,
+        depth: int,
+        fixed_s: float,
+        per_draft_s: float,
+        compaction_s: float,
     ) -> float:
         """Expected tokens/s of a step of ``num_reqs`` requests drafting ``depth`` positions
         whose survivals are like ``survival``'s rows (taken in turn), verifying the best
         slots as ``sps`` would."""
         rows = survival[torch.arange(num_reqs) % survival.shape[0]].double()
         table = masked_forward_table(self.sps_table, num_reqs, self.masked_step_drafts)
-        return float(best_rates_by_depth(rows, torch.tensor([depth]), table, fixed_s, per_draft_s))
+        depths = torch.tensor([depth])
+        return float(best_rates_by_depth(rows, depths, table, fixed_s, per_draft_s, compaction_s))
 
     def _forward_seconds(self, num_reqs: int, drafts_per_req: int) -> float:
         """The target's forward for a speculative step verifying ``drafts_per_req`` drafts

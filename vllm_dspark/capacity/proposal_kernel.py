@@ -3,12 +3,12 @@
 After every real proposal, capacity control records from the drafts' prefix survivals
 s(r, k): the number of drafts ``threshold`` wants verified (survivals at least the
 threshold), the number ``sps`` wants (:func:`allocation.sps_best_count`: the count n
-maximising (R + sum of the n best survivals) / (1/SPS(R + n) + O + b n)), and per position
-the summed survival the draft gate reads. In PyTorch that is ~15 small launches per
-proposal, host time on steps the H200 breakdown found host-bound; this kernel computes all
-three in one program (R * K is at most max_num_seqs * K, a few thousand values: one sort
-in registers). :mod:`allocation` keeps the PyTorch definitions, which the CPU path and the
-tests use.
+maximising (R + sum of the n best survivals) / (1/SPS(R + n) + O + b n + C [n < R K])),
+and per position the summed survival the draft gate reads. In PyTorch that is ~15 small
+launches per proposal, host time on steps the H200 breakdown found host-bound; this kernel
+computes all three in one program (R * K is at most max_num_seqs * K, a few thousand
+values: one sort in registers). :mod:`allocation` keeps the PyTorch definitions, which
+the CPU path and the tests use.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def _proposal_stats_kernel(
     num_reqs,
     fixed_seconds,
     per_draft_seconds,
+    compaction_seconds,
     threshold,
     NUM_DRAFTS: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -60,9 +61,11 @@ def _proposal_stats_kernel(
     counted = count <= num_reqs * NUM_DRAFTS
     sps = tl.load(sps_ptr + num_reqs + count, mask=counted, other=1.0)
     step = 1.0 / sps + fixed_seconds + per_draft_seconds * count.to(tl.float32)
+    # Fewer than all R K drafts: a compacted step.
+    step += tl.where(count < num_reqs * NUM_DRAFTS, compaction_seconds, 0.0)
     gain = tl.where(counted, expected / step, float("-inf"))
     best, best_index = tl.max(gain, axis=0, return_indices=True)
-    none = num_reqs / (1.0 / tl.load(sps_ptr + num_reqs) + fixed_seconds)
+    none = num_reqs / (1.0 / tl.load(sps_ptr + num_reqs) + fixed_seconds + compaction_seconds)
     tl.store(out_ptr + SPS_COUNT, tl.where(none >= best, 0, best_index + 1).to(tl.float32))
 
 
@@ -79,6 +82,7 @@ def proposal_stats(
     sps_table: torch.Tensor | None,
     fixed_seconds: float,
     per_draft_seconds: float,
+    compaction_seconds: float,
     threshold: float,
     max_num_reqs: int,
 ) -> ProposalStats:
@@ -94,6 +98,7 @@ def proposal_stats(
         num_reqs,
         fixed_seconds,
         per_draft_seconds,
+        compaction_seconds,
         threshold,
         NUM_DRAFTS=num_drafts,
         BLOCK_R=triton.next_power_of_2(max_num_reqs),

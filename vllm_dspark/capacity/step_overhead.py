@@ -11,31 +11,42 @@ at 256 requests took 11.0 ms against 8.98 ms on the curve, and the embedded pair
 rejection sampler and the output handling work per token: b per draft). A step
 verifying n drafts for R requests then takes
 
-    1 / SPS(R + n) + D(R) + O + a R + b n,
+    1 / SPS(R + n) + D(R) + O + a R + b n + C [n < R K],
 
 D(R) being the drafter's profiled time per proposal, and ``sps`` maximises
-(R + sum of the n best survivals) over that. A proposal the draft gate skips is not free
-either, S: the drafter still stores the new tokens' context K/V (eagerly, as every
-proposal does) and the step after it still runs the speculative path. On the embedded
-pair at one request (06f3fff, H200) steps after skipped proposals took 3.6-4.4 ms against
-3.4 ms for fixed k=7's, so the gate, weighing not drafting at 1 / SPS(R) + O + a R with S
-left out, closed where drafting was 2.2x faster. It now weighs 1 / SPS(R) + O + a R + S.
+(R + sum of the n best survivals) over that. C is what compacting costs: a step that
+verifies all R K drafts runs vLLM's own uniform step, one that verifies fewer rewrites its
+batch (:mod:`vllm_dspark.patches.compact_verification`) and dispatches another graph. On
+the embedded pair, host-bound, that is most of the difference between an sps step and a
+fixed k=7 one: at 256 requests (bfbca4e, H100) input preparation took 2.06 ms against
+1.25 ms, while the target's forward for 448 tokens saved 0.05 ms on 2,048; ``sps``, blind to
+C, admitted 5.1 drafts of 7 a request and ran 0.61x fixed k=7 (9be793a, H100).
 
-``auto`` fits O, a, b and S while serving. Each real proposal ends one step, whose host
+A proposal the draft gate skips is not free either, S: the drafter still stores the new
+tokens' context K/V (eagerly, as every proposal does) and the step after it still runs the
+speculative path. On the embedded pair at one request (06f3fff, H200) steps after skipped
+proposals took 3.6-4.4 ms against 3.4 ms for fixed k=7's, so the gate, weighing not
+drafting at 1 / SPS(R) + O + a R with S left out, closed where drafting was 2.2x faster. It
+now weighs 1 / SPS(R) + O + a R + S.
+
+``auto`` fits O, a, b, S and C while serving. Each real proposal ends one step, whose host
 period (the time since the previous proposal) is the step's cost in steady state, whether
 the GPU or the host is the bottleneck; less the curve's forward for the tokens it verified
 and D(R) when a proposal was drafted, that is one sample of O + a R + b n (+ S after a
-skipped proposal). Each window's samples, less those far above its median (a pause or a
-prefill step in between), join decayed least-squares sums over the last few windows, from
-which O, a, b and S are fitted (a small ridge keeps a slope at 0 where its variable never
-varied; none is negative: S stays 0 until the gate has skipped). An
-admission that settles stays the same step after step, which cannot tell b from O, so
-capacity control verifies half of it now and then (``control.EXPLORE_EVERY``, on steps
-verifying at least ``control.EXPLORE_MIN_DRAFTS``, and with ``acceptance`` only at loads
-where b could change the depth, ``depth_control.DRAFT_TIME_DOUBT``). The host
-clock differs between tensor-parallel ranks, so each window's (O, a, b, S) is reduced to the
-largest over ranks on the device and read one window later (its copy long done): every
-rank plans with the same values, as the admission must be identical on every rank.
+skipped proposal, + C when compacted). Each window's samples, less those far above its
+median (a pause or a prefill step in between), join decayed least-squares sums over the
+last few windows, from which O, a, b, S and C are fitted (a small ridge keeps a slope at 0
+where its variable never varied; none is negative: S stays 0 until the gate has skipped, C
+until steps of both kinds ran). An admission that settles stays the same step after step,
+which cannot tell b from O, so capacity control verifies half of it now and then
+(``control.EXPLORE_EVERY``, on steps verifying at least ``control.EXPLORE_MIN_DRAFTS``, and
+with ``acceptance`` only at loads where b could change the depth,
+``depth_control.DRAFT_TIME_DOUBT``); with ``sps``, where compacting saves less than the
+step's overhead (so that C could decide), every other such probe verifies all R K instead,
+so that uncompacted steps are timed too. The host clock differs between tensor-parallel
+ranks, so each window's (O, a, b, S, C) is reduced to the largest over ranks on the device
+and read one window later (its copy long done): every rank plans with the same values, as
+the admission must be identical on every rank.
 
 With plain steps (:mod:`plain_steps`) the alternative to drafting is not a speculative step
 that verifies nothing but vLLM's plain decode step, which skips most of that host work: on
@@ -87,12 +98,12 @@ SETTLE = 1
 
 
 class OverheadFit:
-    """Decayed least-squares sums for r = O + a R + b n + S z (R requests, n drafts
-    verified, z = 1 after a skipped proposal)."""
+    """Decayed least-squares sums for r = O + a R + b n + S z + C c (R requests, n drafts
+    verified, z = 1 after a skipped proposal, c = 1 in a compacted step)."""
 
     def __init__(self):
-        self.gram = np.zeros((4, 4))  # sum of x x^T, x = (1, R, n, z)
-        self.moment = np.zeros(4)  # sum of x r
+        self.gram = np.zeros((5, 5))  # sum of x x^T, x = (1, R, n, z, c)
+        self.moment = np.zeros(5)  # sum of x r
 
     def add(
         self,
@@ -100,19 +111,22 @@ class OverheadFit:
         drafts: np.ndarray,
         residuals: np.ndarray,
         skipped: np.ndarray | None = None,
+        compacted: np.ndarray | None = None,
     ) -> None:
         """One window's samples, less its outliers; earlier windows decay."""
         keep = residuals <= OUTLIER * np.median(residuals) + 1e-6
-        skipped = np.zeros_like(residuals) if skipped is None else skipped
-        columns = [np.ones(len(residuals)), requests, drafts, skipped]
+        zeros = np.zeros_like(residuals)
+        skipped = zeros if skipped is None else skipped
+        compacted = zeros if compacted is None else compacted
+        columns = [np.ones(len(residuals)), requests, drafts, skipped, compacted]
         x = np.stack([column[keep] for column in columns], axis=1)
         self.gram = DECAY * self.gram + x.T @ x
         self.moment = DECAY * self.moment + x.T @ residuals[keep]
 
-    def estimate(self) -> tuple[float, float, float, float]:
-        """(O, a, b, S), all >= 0: a slope the data make negative is left out and the rest
-        refitted."""
-        slopes = [1, 2, 3]
+    def estimate(self) -> tuple[float, float, float, float, float]:
+        """(O, a, b, S, C), all >= 0: a slope the data make negative is left out and the
+        rest refitted."""
+        slopes = [1, 2, 3, 4]
         while True:
             terms = [0, *slopes]
             ridge = [RIDGE * self.gram[term, term] + 1e-30 for term in slopes]
@@ -122,7 +136,7 @@ class OverheadFit:
             if not negative:
                 break
             slopes = [term for term in slopes if term not in negative]
-        values = np.zeros(4)
+        values = np.zeros(5)
         values[terms] = fitted
         return max(0.0, float(values[0])), *(float(value) for value in values[1:])
 
@@ -141,11 +155,13 @@ class StepOverhead:
         self.per_request_seconds = 0.0  # a
         self.per_draft_seconds = 0.0  # b
         self.skip_seconds = 0.0  # S
+        self.compaction_seconds = 0.0  # C
         self.measuring = fixed_seconds is None
         self.ready = not self.measuring  # whether O and b hold a fit (or were given)
         self._reduce_max = reduce_max
         self._clock = clock
-        self._samples: list[tuple[int, int, float, bool, bool]] = []
+        # (R, n, residual, skipped, compacted, plain) per step
+        self._samples: list[tuple[int, int, float, bool, bool, bool]] = []
         self._fit = OverheadFit()
         self._plain_fit = OverheadFit()  # (1, R) columns only: P + p R
         self.plain_seconds = 0.0  # P, 0 until plain steps were measured
@@ -153,8 +169,8 @@ class StepOverhead:
         self._last_time: float | None = None
         self._kinds: deque[str | None] = deque(maxlen=SETTLE + 1)  # latest last
         cuda = device.type == "cuda"
-        self._device_value = torch.zeros(6, dtype=torch.float64, device=device)
-        self._host_value = torch.zeros(6, dtype=torch.float64, pin_memory=cuda)
+        self._device_value = torch.zeros(7, dtype=torch.float64, device=device)
+        self._host_value = torch.zeros(7, dtype=torch.float64, pin_memory=cuda)
         self._event = torch.cuda.Event() if cuda else None
         self._pending = False
 
@@ -164,11 +180,13 @@ class StepOverhead:
 
     def plain_step_seconds(self, num_reqs: int) -> float | None:
         """P + p R: a plain decode step's time outside the curve (None: not measured), at
-        most O + a R + S, a speculative step's after a skipped proposal."""
+        most O + a R + S + C, a speculative step's after a skipped proposal (compacted to
+        no draft)."""
         if self.plain_seconds <= 0.0:
             return None
         plain = self.plain_seconds + self.plain_per_request_seconds * num_reqs
-        return min(plain, self.per_step_seconds(num_reqs) + self.skip_seconds)
+        after_skip = self.per_step_seconds(num_reqs) + self.skip_seconds + self.compaction_seconds
+        return min(plain, after_skip)
 
     def observe(
         self,
@@ -178,11 +196,13 @@ class StepOverhead:
         num_reqs: int = 0,
         skipped: bool = False,
         plain: bool = False,
+        compacted: bool = False,
     ) -> None:
         """At a real proposal: the step that just ran, for ``num_reqs`` requests, verified
         ``verified_drafts`` drafts (None: not a decode step the curve describes), its
         forward on the curve took ``forward_s`` and the proposal before it ``draft_s`` (0
-        when ``skipped``); ``plain``: it was a plain decode step."""
+        when ``skipped``); ``plain``: it was a plain decode step; ``compacted``: its batch
+        was compacted."""
         if not self.measuring:
             return
         now = self._clock()
@@ -193,14 +213,14 @@ class StepOverhead:
         if last is None or kind is None or not settled:
             return
         residual = max(0.0, now - last - forward_s - draft_s)
-        self._samples.append((num_reqs, verified_drafts, residual, skipped, plain))
+        self._samples.append((num_reqs, verified_drafts, residual, skipped, compacted, plain))
         if len(self._samples) < WINDOW:
             return
         samples = np.array(self._samples, dtype=np.float64)
-        plain_rows = samples[:, 4] > 0
+        plain_rows = samples[:, 5] > 0
         speculative = samples[~plain_rows]
         if len(speculative):
-            self._fit.add(*speculative[:, :4].T)
+            self._fit.add(*speculative[:, :5].T)
         if plain_rows.any():
             plain_samples = samples[plain_rows]
             zeros = np.zeros(len(plain_samples))
@@ -212,15 +232,16 @@ class StepOverhead:
         self._publish((*self._fit.estimate(), *plain))
 
     def _publish(self, fitted: tuple[float, ...]) -> None:
-        """(O, a, b, S, P, p) of this window, reduced over ranks and read a window later."""
+        """(O, a, b, S, C, P, p) of this window, reduced over ranks and read a window
+        later."""
         # The previous window's reduced values (their event long done) become the estimate.
         if self._pending:
             if self._event is not None:
                 self._event.synchronize()
             values = self._host_value.tolist()
             self.seconds, self.per_request_seconds, self.per_draft_seconds = values[:3]
-            self.skip_seconds = values[3]
-            self.plain_seconds, self.plain_per_request_seconds = values[4:]
+            self.skip_seconds, self.compaction_seconds = values[3:5]
+            self.plain_seconds, self.plain_per_request_seconds = values[5:]
             self.ready = True
         for value, target in zip(fitted, self._device_value, strict=True):
             target.fill_(value)  # a kernel argument: no copy from pageable memory

@@ -191,6 +191,8 @@ def _make_execute_wrapper(execute_model):
         if masked:  # the target runs every draft: what the step's forward costs
             num_reqs = len(scheduler_output.num_scheduled_tokens)
             self.speculator.step_tokens = num_reqs * (1 + masked_drafts)
+        # Timed apart from vLLM's own steps: the compaction premium (capacity/step_overhead.py).
+        self.speculator.step_compacted = budget is not None and not masked and step.mixed is None
         token = _step_budget_var.set(None if masked else budget)
         mask_token = _step_mask_var.set(budget if masked else None)
         mixed_token = _mixed_step_var.set(None if step is None or masked else step.mixed)
