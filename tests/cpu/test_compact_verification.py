@@ -639,6 +639,12 @@ def test_acceptance_depth_follows_the_load_on_the_sps_curve():
     assert best_depth(survival, 64, table, draft_s=growing) < at_64
     # Masked, every depth runs the K drafts through the target: the deepest pays best.
     assert best_depth(survival, 256, table, masked_step_drafts=K) == K
+    # A tiny target (flat curve) with host time per verified draft: a shallow depth pays,
+    # unless compacting (any depth short of K) costs more than the drafts it leaves out.
+    flat = sps_table_from_curve([(1, 10000.0), (2048, 10000.0)], 2048)
+    host = {"fixed_s": 0.0025, "per_draft_s": 2e-5}
+    assert best_depth(survival, 64, flat, **host) == 2
+    assert best_depth(survival, 64, flat, **host, compaction_s=0.01) == K
 
 
 def test_masked_sps_verifies_the_drafts_a_compacted_step_would_leave_out(plugin_speculator):

@@ -21,9 +21,10 @@ What it picks:
 - with the target's SPS curve (``dspark_sps_curve``, profiled at start-up by default):
   the depth of most expected tokens per second at the step's R requests,
 
-      R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + D_d(R) + O + a R + b R d),
+      R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + D_d(R) + O + a R + b R d + C [d < K]),
 
-  O, a and b the step's time outside the curve (:mod:`step_overhead`; 0 until fitted),
+  O, a, b and C the step's time outside the curve (:mod:`step_overhead`; 0 until fitted;
+  C what a compacted step, d < K, costs beyond vLLM's own),
   D_d(R) the proposal's profiled time (at depth d with ``dspark_dynamic_depth``, which
   then computes only the d positions verified; 0 when not profiled).
   At light load verifying K drafts costs about what verifying one does, so d = K (fixed
@@ -83,16 +84,19 @@ def best_depth(
     per_draft_s: float = 0.0,
     draft_s: np.ndarray | float = 0.0,
     masked_step_drafts: int = 0,
+    compaction_s: float = 0.0,
 ) -> int:
     """The d in 1..K of most expected tokens per second (the module's formula), ``fixed_s``
     being O + a R at this batch and ``draft_s`` D_1(R)..D_K(R) (or one time for all).
     ``masked_step_drafts`` (K with ``dspark_varlen_verify=false``, else 0): every depth's
-    step runs that many drafts per request through the target."""
+    step runs that many drafts per request through the target. ``compaction_s``: what a
+    compacted step (d < K) costs beyond vLLM's own (:mod:`step_overhead`'s C)."""
     depths = np.arange(1, len(survival) + 1)
     expected = 1.0 + np.cumsum(survival)
     tokens = np.minimum(num_reqs * (1 + (masked_step_drafts or depths)), len(sps_table) - 1)
     forward = 1.0 / sps_table.double().numpy()[tokens]
     step = forward + draft_s + fixed_s + per_draft_s * num_reqs * depths
+    step = step + compaction_s * (depths < len(survival))
     return int(depths[np.argmax(expected / step)])
 
 

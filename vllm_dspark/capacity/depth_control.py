@@ -55,10 +55,11 @@ class DepthControl:
         requests, each verified draft ``doubt_s`` dearer than fitted (None: no curve)."""
         if self.sps_table_host is None:
             return None
-        fixed = per_draft = 0.0
+        fixed = per_draft = compaction = 0.0
         overhead = self.step_overhead
         if overhead.ready:
             fixed, per_draft = overhead.per_step_seconds(num_reqs), overhead.per_draft_seconds
+            compaction = overhead.compaction_seconds
         if self.options.dynamic_depth:  # a shallower proposal costs less
             depths = range(1, self.num_speculative_steps + 1)
             draft = np.array([self._proposal_seconds(num_reqs, d) for d in depths])
@@ -72,6 +73,7 @@ class DepthControl:
             per_draft + doubt_s,
             draft,
             masked_step_drafts=self.masked_step_drafts,
+            compaction_s=compaction,
         )
 
     def _depth_hinges_on_draft_time(self, num_reqs: int) -> bool:
