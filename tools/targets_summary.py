@@ -452,6 +452,12 @@ def no_cut_slower_at_one_request(record: dict) -> dict:
     }
 
 
+def has_one_request_rows(record: dict) -> bool:
+    """Whether a fixed-k record ran stock DSpark at one request (a run at 256 alone did
+    not)."""
+    return any(row["arm"] == "dspark" and row["concurrency"] == 1 for row in record["rows"])
+
+
 def phases_add_up(record: dict) -> dict:
     off = {
         f"{row['arm']}@{row['concurrency']}": row["phases_sum_over_step"] for row in record["rows"]
@@ -463,7 +469,8 @@ def phases_add_up(record: dict) -> dict:
     }
 
 
-# Per issue: (record file, or a glob whose newest match by date counts; check).
+# Per issue: (record file, or a glob whose newest match by date counts; check[; which
+# records can be read: the newest of those counts]).
 CHECKS = {
     "capacity": [
         ("capacity_sweep.json", sps_under_load),
@@ -480,25 +487,27 @@ CHECKS = {
     "step-cost": [
         ("step_breakdown_graphs*.json", k1_step_under_load),
         ("fixed_k3*.json", k3_under_load),
-        ("fixed_k3*.json", no_cut_slower_at_one_request),
+        ("fixed_k3*.json", no_cut_slower_at_one_request, has_one_request_rows),
         ("step_breakdown.json", phases_add_up),
     ],
 }
 
 
-def _newest(results_dir: Path, pattern: str) -> Path | None:
-    """The file ``pattern`` names, or its match whose record is dated last."""
-    paths = sorted(results_dir.glob(pattern))
+def _newest(results_dir: Path, pattern: str, readable=lambda record: True) -> Path | None:
+    """The file ``pattern`` names, or its match whose record is dated last, among those
+    ``readable`` accepts."""
+    records = {path: json.loads(path.read_text()) for path in sorted(results_dir.glob(pattern))}
+    paths = [path for path, record in records.items() if readable(record)]
     if not paths:
         return None
-    return max(paths, key=lambda path: json.loads(path.read_text()).get("date", ""))
+    return max(paths, key=lambda path: records[path].get("date", ""))
 
 
 def summarize(results_dir: Path, issue: str) -> tuple[list[dict], list[str]]:
     """(one entry per target of ``issue``, the files not found)."""
     entries, missing = [], []
-    for pattern, check in CHECKS[issue]:
-        path = _newest(results_dir, pattern)
+    for pattern, check, *readable in CHECKS[issue]:
+        path = _newest(results_dir, pattern, *readable)
         if path is None:
             missing.append(pattern)
             entries.append({"target": check.__name__, "passes": None, "measured": None})

@@ -261,13 +261,17 @@ def test_step_cost_targets_take_the_best_cut_and_the_newest_k3_run(tmp_path):
     new = {("nospec", 256): 100.0, ("dspark", 256): 98.0, ("dspark-vocab", 256): 101.0}
     new |= {("dspark", 1): 20.0, ("dspark-vocab", 1): 19.9}
     write(tmp_path, "fixed_k3_new.json", {"date": "2", "rows": sweep_rows("s", new)})
+    # A later run at 256 requests alone: the one-request target reads the run before it.
+    at_256 = {("nospec", 256): 100.0, ("dspark", 256): 99.0, ("dspark-lean", 256): 100.8}
+    write(tmp_path, "fixed_k3_256.json", {"date": "3", "rows": sweep_rows("s", at_256)})
     entries, missing = summarize(tmp_path, "step-cost")
     assert missing == []
     k1, k3, one_request, phases = entries
     assert k1["passes"] and abs(k1["measured"]["ratio"] - 1.39) < 1e-9
     # The newest record counts, and its best arm: the cut, not stock.
-    assert k3["passes"] and k3["evidence"]["file"].endswith("fixed_k3_new.json")
-    assert k3["measured"] == {"dspark": 0.98, "dspark-vocab": 1.01}
+    assert k3["passes"] and k3["evidence"]["file"].endswith("fixed_k3_256.json")
+    assert k3["measured"] == pytest.approx({"dspark": 0.99, "dspark-lean": 1.008})
+    assert one_request["evidence"]["file"].endswith("fixed_k3_new.json")
     assert one_request["passes"] is False
     assert one_request["measured"] == {"dspark-vocab": pytest.approx(0.995)}
     assert phases["passes"] is False and phases["measured"]["dspark-k1@256"] == 1.06
