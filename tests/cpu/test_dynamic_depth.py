@@ -640,7 +640,7 @@ def test_a_traced_batch_records_each_steps_decision_and_its_inputs(plugin_specul
     # Each step verifies the proposal before it, at the depth that proposal computed.
     assert [row[2] for row in trace] == [K, *depths[:-1]]
     assert all(0 < row[1] <= 256 * row[2] for row in trace)
-    assert {tuple(row[3:]) for row in trace} == {(2.0, 0.0, 0.0)}  # O = 2 ms, given
+    assert {tuple(row[3:]) for row in trace} == {(2.0, 0.0, 0.0, 0.0)}  # O = 2 ms, given
 
 
 def test_tracing_reaches_the_plugins_speculators_and_skips_vllms_own(plugin_speculator):
@@ -652,7 +652,7 @@ def test_tracing_reaches_the_plugins_speculators_and_skips_vllms_own(plugin_spec
     ours = at_load(plugin_speculator, 1, CHORDS_256, 2e-3)
     assert _worker_trace(worker(ours), True) is None and ours.step_trace == []
     ours.record_full_admission(1)
-    assert _worker_trace(worker(ours), False) == [[1, K, K, 2.0, 0.0, 0.0]]
+    assert _worker_trace(worker(ours), False) == [[1, K, K, 2.0, 0.0, 0.0, 0.0]]
     assert ours.step_trace is None
     stock = SimpleNamespace(num_speculative_steps=K)  # no capacity control
     assert _worker_trace(worker(stock), True) is None and not hasattr(stock, "step_trace")

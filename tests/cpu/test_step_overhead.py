@@ -172,12 +172,17 @@ def test_ranks_with_different_clocks_plan_with_the_same_value():
     ranks += [StepOverhead(CPU, reduce_max=reduce_max, clock=clock) for clock in clocks]
     for rank in ranks:
         rank.observe(64, 0.5, 0.0)
-    for _ in range(3 * WINDOW):  # in lockstep, rank 0 first, as the ranks' steps are
-        for rank, clock, period in zip(ranks, clocks, (1.0, 1.25), strict=True):
-            clock.now += period
-            rank.observe(64, 0.5, 0.0)
-    assert ranks[0].seconds == ranks[1].seconds == pytest.approx(0.75)
+    for step in range(3 * WINDOW):  # in lockstep, rank 0 first, as the ranks' steps are
+        compacted = step % 2 == 0  # every other step compacted: 0.1 s more on rank 0, 0.3 s
+        costs = zip(ranks, clocks, (1.0, 1.25), (0.1, 0.3), strict=True)
+        for rank, clock, period, premium in costs:
+            clock.now += period + premium * compacted
+            rank.observe(64, 0.5, 0.0, compacted=compacted)
+    # (the ridge biases the fit by a few parts per million)
+    assert ranks[0].seconds == ranks[1].seconds == pytest.approx(0.75, rel=1e-4)
     assert ranks[0].per_draft_seconds == ranks[1].per_draft_seconds
+    assert ranks[0].compaction_seconds == ranks[1].compaction_seconds
+    assert ranks[0].compaction_seconds == pytest.approx(0.3, rel=1e-4)
 
 
 def test_overhead_makes_sps_admit_what_a_bare_curve_refuses():

@@ -591,14 +591,16 @@ class CapacityControl(DepthControl):
 
     def trace_step(self, num_reqs: int, budget: int) -> None:
         """While tracing: [requests, drafts admitted, depth the verified proposal
-        computed, the step overhead's O (ms), a and b (us)] of this decode step, so that a
-        batch's record shows what each step decided and on what."""
+        computed, the step overhead's O (ms), a and b (us), C (ms)] of this decode step, so
+        that a batch's record shows what each step decided and on what."""
         if self.step_trace is None:
             return
         fit = self.step_overhead
-        costs = (0.0, 0.0, 0.0)
+        costs = (0.0, 0.0, 0.0, 0.0)
         if fit is not None:
-            costs = (fit.seconds * 1e3, fit.per_request_seconds * 1e6, fit.per_draft_seconds * 1e6)
+            per_request, per_draft = fit.per_request_seconds, fit.per_draft_seconds
+            costs = (fit.seconds * 1e3, per_request * 1e6, per_draft * 1e6)
+            costs += (fit.compaction_seconds * 1e3,)
         depth = self.draft_depth if budget else 0  # 0: the proposal was skipped
         self.step_trace.append([num_reqs, budget, depth, *(round(c, 3) for c in costs)])
 
