@@ -403,7 +403,7 @@ def test_sps_keeps_compacting_where_it_saves_more_than_it_costs(plugin_speculato
     from test_compact_verification import K
 
     num_reqs = 32
-    steep = [[1, 4000.0], [32, 3000.0], [256, 300.0]]
+    steep = [[1, 4000.0], [32, 3000.0], [256, 100.0]]
     speculator, budgets, true_rate = compaction_loop(
         plugin_speculator, num_reqs, steep, 1e-3, 16 * WINDOW
     )
