@@ -163,20 +163,10 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
     speculator = plugin_speculator(
         dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=False
     )
-    seen = []
-
-    def execute_model(self, scheduler_output):
-        seen.append((patch._step_budget_var.get(), patch._step_mask_var.get()))
-
-    runner = SimpleNamespace(
-        speculator=speculator,
-        req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
-        sampler=SimpleNamespace(returns_logprobs=lambda slots: False),
+    seen = run_decode_step(
+        speculator, lambda: (patch._step_budget_var.get(), patch._step_mask_var.get())
     )
-    step = scheduler_output({"a": 1 + K, "b": 1 + K}, {"a": [-1] * K, "b": [-1] * K})
-    step.num_spec_tokens_to_schedule = K
-    patch._make_execute_wrapper(execute_model)(runner, step)
-    assert seen == [(None, 4)]  # ceil(2 * 7 * 0.25) verified, nothing compacted
+    assert seen == (None, 4)  # ceil(2 * 7 * 0.25) verified, nothing compacted
     assert speculator.step_tokens == 2 * (1 + K)
     assert patch._step_mask_var.get() is None  # reset after the step
 
@@ -192,14 +182,16 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
 def test_a_step_is_marked_compacted_for_the_overhead_fit(plugin_speculator, options, compacted):
     """The step overhead times compacted steps apart (their premium C,
     capacity/step_overhead.py): only a step whose batch is rewritten counts as one."""
+    speculator = plugin_speculator(dspark_capacity="budget", **options)
+    assert run_decode_step(speculator, lambda: speculator.step_compacted) is compacted
+
+
+def run_decode_step(speculator, observe):
+    """One decode step of two requests with K drafts each through the execute wrapper;
+    returns what ``observe()`` read inside the step."""
     from vllm_dspark.patches import compact_verification as patch
 
-    speculator = plugin_speculator(dspark_capacity="budget", **options)
-    marked = []
-
-    def execute_model(self, scheduler_output):
-        marked.append(self.speculator.step_compacted)
-
+    seen = []
     runner = SimpleNamespace(
         speculator=speculator,
         req_states=SimpleNamespace(req_id_to_index={"a": 0, "b": 1}),
@@ -207,8 +199,9 @@ def test_a_step_is_marked_compacted_for_the_overhead_fit(plugin_speculator, opti
     )
     step = scheduler_output({"a": 1 + K, "b": 1 + K}, {"a": [-1] * K, "b": [-1] * K})
     step.num_spec_tokens_to_schedule = K
-    patch._make_execute_wrapper(execute_model)(runner, step)
-    assert marked == [compacted]
+    patch._make_execute_wrapper(lambda self, output: seen.append(observe()))(runner, step)
+    assert len(seen) == 1
+    return seen[0]
 
 
 def scheduler_output(counts, drafts, structured=False, new=()):

@@ -53,7 +53,7 @@ def check_kernel_against_head(case, device: torch.device) -> None:
     head, hidden, markov, logits = head_and_inputs(case, device)
     for position in range(K):
         got = head(hidden[:, position], markov, logits, position)
-        want = head.definition(hidden[:, position], markov, logits, position)
+        want = head(hidden[:, position], markov, logits, position, kernel=False)
         assert got.dtype == torch.float32 and got.shape == want.shape
         # At p(top-1) = 0.999, fp32 holds 1 - p to ~1e-4 of itself in either computation
         # (and a GPU's exp is approximate): log(1 - p) agrees to ~1e-4 per unit weight.

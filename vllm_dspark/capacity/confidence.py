@@ -140,12 +140,15 @@ class ConfidenceHead(torch.nn.Module):
         markov_embed: torch.Tensor,
         logits: torch.Tensor,
         position: int = 0,
+        kernel: bool | None = None,
     ) -> torch.Tensor:
         """Confidence logits z_k of draft position ``position`` (0-based): [rows, H],
-        [rows, r], draft logits [rows, V] -> [rows]. On a GPU one kernel computes it
-        (:mod:`vllm_dspark.capacity.confidence_kernel`)."""
+        [rows, r], draft logits [rows, V] -> [rows]. ``kernel``: whether one Triton kernel
+        computes it (:mod:`vllm_dspark.capacity.confidence_kernel`; by default on a GPU),
+        else PyTorch (the CPU path, and what the kernel is tested on)."""
         row = position if self.per_position else 0
-        if use_triton(logits):
+        use_kernel = use_triton(logits) if kernel is None else kernel
+        if use_kernel:
             return confidence_logit(
                 hidden,
                 markov_embed,
@@ -156,17 +159,6 @@ class ConfidenceHead(torch.nn.Module):
                 self.reads_draft_miss_logprob,
                 TOP1_LOGPROB_CAP,
             )
-        return self.definition(hidden, markov_embed, logits, position)
-
-    def definition(
-        self,
-        hidden: torch.Tensor,
-        markov_embed: torch.Tensor,
-        logits: torch.Tensor,
-        position: int = 0,
-    ) -> torch.Tensor:
-        """:meth:`forward` in PyTorch (the CPU path, and what the kernel is tested on)."""
-        row = position if self.per_position else 0
         parts = [hidden.float(), markov_embed.float()]
         if self.reads_draft_logprob or self.reads_draft_miss_logprob:
             top1 = top1_logprob(logits)
