@@ -267,3 +267,29 @@ def test_survivals_by_slot_value_the_likely_drafts_the_means_hide():
     at_one = sps_rates(shallow.double(), gate.sps_table, 2e-3).max().item()
     gate.draft_seconds[1] = gate.draft_seconds[K]
     assert gate.gains(256, mean, 1, survival=survival)[0] == pytest.approx(at_one)
+
+
+def test_a_snapshot_is_valued_once_per_batch_size_and_costs(monkeypatch):
+    """The gate decides before every proposal; the snapshot it values by slot and the
+    fitted costs change far less often, so each (snapshot, requests, depth, costs) is
+    valued once. A new snapshot, batch size or cost is valued anew."""
+    from vllm_dspark.capacity import draft_gate
+
+    valued = []
+    original = draft_gate.best_rates_by_depth
+
+    def counting(*args):
+        valued.append(args[0].shape[0])
+        return original(*args)
+
+    monkeypatch.setattr(draft_gate, "best_rates_by_depth", counting)
+    gate = DraftGate(sps_table(0.05, 10.0), {K: draft_seconds_table([(1, 1.0), (256, 2.0)], R_MAX)})
+    survival = torch.cumprod(torch.rand(64, K, generator=torch.Generator().manual_seed(0)), 1)
+    mean = survival.mean(dim=0).tolist()
+    first = gate.gains(64, mean, K, survival=survival, overhead_s=2e-3)
+    assert gate.gains(64, mean, K, survival=survival, overhead_s=2e-3) == first
+    assert valued == [64]
+    gate.gains(32, mean, K, survival=survival, overhead_s=2e-3)
+    gate.gains(32, mean, K, survival=survival, overhead_s=3e-3)
+    gate.gains(32, mean, K, survival=survival.clone(), overhead_s=3e-3)
+    assert valued == [64, 32, 32, 32]
