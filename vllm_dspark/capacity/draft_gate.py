@@ -9,44 +9,42 @@ D(R) for one proposal at the depth it will compute (with dynamic depth each dept
 graphs are timed: a shallow proposal costs far less than a full one), the expected tokens
 per second of drafting and verifying j positions per request is
 
-    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j),      j = 1..depth,
+    R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j + C [j < K]),
 
-against R / (1 / SPS(R) + O + S) without drafting, O and b being the step's time outside
-the curve, per step (at R requests) and per verified draft, and S what a skipped
-proposal still costs (:mod:`step_overhead`); with plain steps, whose cost was measured
-apart, the side without drafting is a plain step's, R / (1 / SPS(R) + P), P its time
-outside the curve at R requests. That weighs one depth j for every request, where ``sps``
-admits the likeliest slots of each: where confidence varies between requests the mean
-survivals undervalue drafting, and can close the gate where admitting the likely half of
-the drafts pays (``tests/cpu/test_draft_gate.py``). So with a recent proposal of at least
-``SURVIVAL_MEMORY`` requests at hand (``sps``, read on the host two proposals late:
-:class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`), drafting is valued by its
-slots instead: sps's own objective over that proposal's survivals, the step's costs as
-above (:func:`~vllm_dspark.capacity.allocation.best_rates_by_depth`). The gate drafts when the
-best wins, with a 2% hysteresis either way so that noise does not flip it every step.
-With dynamic depth, where the depth planned does not pay, each shallower depth d is
-weighed too, at its own D(R) and j <= d, and the gate drafts the best that pays: at 256
-requests on the Qwen3-8B shape a full K=7 proposal costs 6.5 ms and a depth-2 one 3.5 ms
-(``depth_time.json``),
-while the depth planned only falls once steps verify fewer drafts, which a closed gate
-never lets them do. A skipped proposal still lets the drafter store its context K/V
-(later proposals need it) and verifies no draft: the next step's budget is 0 and vLLM
-runs R tokens, as without speculation. While the gate is closed the survival statistics
-keep their last values, so it reopens as load leaves (smaller R); and every
-``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so that survivals which
-were low when it closed (or the first steps' guesses) are measured again rather than
+j = 1..depth, against R / (1 / SPS(R) + O + S + C) without drafting, O and b being the
+step's time outside the curve, per step (at R requests) and per verified draft, S what a
+skipped proposal still costs and C what a compacted step costs beyond vLLM's own (a step
+after a skipped proposal is compacted to no draft; :mod:`step_overhead`); with plain steps,
+whose cost was measured apart, the side without drafting is a plain step's, R / (1 / SPS(R)
++ P), P its time outside the curve at R requests. That weighs one depth j for every
+request, where ``sps`` admits the likeliest slots of each: where confidence varies between
+requests the mean survivals undervalue drafting, and can close the gate where admitting the
+likely half of the drafts pays (``tests/cpu/test_draft_gate.py``). So with a recent
+proposal of at least ``SURVIVAL_MEMORY`` requests at hand (``sps``, read on the host two
+proposals late: :class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`), drafting is
+valued by its slots instead: sps's own objective over that proposal's survivals, the step's
+costs as above (:func:`~vllm_dspark.capacity.allocation.best_rates_by_depth`). The gate
+drafts when the best wins, with a 2% hysteresis either way so that noise does not flip it
+every step. With dynamic depth, where the depth planned does not pay, each shallower depth
+d is weighed too, at its own D(R) and j <= d, and the gate drafts the best that pays: at
+256 requests on the Qwen3-8B shape a full K=7 proposal costs 6.5 ms and a depth-2 one 3.5
+ms (``depth_time.json``), while the depth planned only falls once steps verify fewer
+drafts, which a closed gate never lets them do. A skipped proposal still lets the drafter
+store its context K/V (later proposals need it) and verifies no draft: the next step's
+budget is 0 and vLLM runs R tokens, as without speculation. While the gate is closed the
+survival statistics keep their last values, so it reopens as load leaves (smaller R); and
+every ``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so that survivals
+which were low when it closed (or the first steps' guesses) are measured again rather than
 kept for good. The survivals it weighs are an average over about the last
 ``SURVIVAL_MEMORY`` requests' proposals (:class:`SurvivalAverage`): the gate follows the
 load, and one proposal of a few requests is too noisy a reading of the workload's
-acceptance. With ``gate_objective=batch`` the survivals weighed are instead the mean so
-far of the request that drafts worst (:class:`SlowestRequest`), averaged the same way: a
-batch submitted at once lasts as long as its slowest request, and drafting finishes it
-sooner only if that request gains more tokens per step than a speculative step costs
-over a plain one (on the embedded pair, 256 such requests take 122-127 decode steps with
-k=7, the 127 of no speculation: ``benchmarks/results/batch_steps_embedded.json``). Host
-arithmetic on values every rank reads alike: every tensor-parallel rank decides the
-same.
-"""
+acceptance. With ``gate_objective=batch`` the survivals weighed are instead the mean so far
+of the request that drafts worst (:class:`SlowestRequest`), averaged the same way: a batch
+submitted at once lasts as long as its slowest request, and drafting finishes it sooner
+only if that request gains more tokens per step than a speculative step costs over a plain
+one (on the embedded pair, 256 such requests take 122-127 decode steps with k=7, the 127 of
+no speculation: ``benchmarks/results/batch_steps_embedded.json``). Host arithmetic on
+values every rank reads alike: every tensor-parallel rank decides the same."""
 
 from __future__ import annotations
 
@@ -224,8 +222,8 @@ class DraftGate:
     ) -> float:
         """Expected tokens/s of a step of ``num_reqs`` requests drafting ``depth`` positions
         whose survivals are like ``survival``'s rows (taken in turn), verifying the best
-        slots as ``sps`` would; kept per snapshot (a sort of R K values each step cost the
-        host ~0.2 ms at 64 requests)."""
+        slots as ``sps`` would; kept per snapshot (sorting R K values before every proposal
+        cost the host ~0.1 ms a step at 64 requests)."""
         if survival is not self._rated_survival:
             self._rated_survival, self._rates = survival, {}
         key = (num_reqs, depth, fixed_s, per_draft_s, compaction_s)
