@@ -112,8 +112,8 @@ class DSparkOptions(BaseModel):
     )
     """Time per target step that the SPS curve leaves out (scheduling, input preparation,
     sampling, output handling), for ``capacity=sps`` and ``acceptance``: ``auto`` fits it
-    while serving, per step and per verified draft; a number fixes the per-step part (0:
-    the curve alone)."""
+    while serving, per step, per verified draft and per compacted step; a number fixes
+    the per-step part (0: the curve alone)."""
 
     confidence_temperature: list[StrictFloat] | None = Field(
         None,
