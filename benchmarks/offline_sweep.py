@@ -191,6 +191,10 @@ ARMS = {
     # could (47bc5ae, H200: a first token 16.9 against 19.7 ms on average at one request,
     # with equal steps); in one engine the arms differ in the controller alone.
     "dflash-fixed-lean": {"method": "dflash", "dspark_capacity": "off"} | LEAN_DRAFTING,
+    # DSpark's fixed k=7 switched to in the sps arms' engine (--shared-engine): on the
+    # host-bound embedded pair repeats of one arm spread 10-25% and engines of their own
+    # more (bfbca4e, H200); in one engine the arms differ in the controller alone.
+    "dspark-fixed": {"dspark_capacity": "off"},
 }
 
 

@@ -579,6 +579,32 @@ def test_fixed_depth_runs_in_the_controllers_engine_with_capacity_off(plugin_spe
     assert speculator.proposal_depth(4) == K
 
 
+def test_dsparks_fixed_depth_runs_in_the_sps_engine_with_capacity_off(plugin_speculator):
+    """dspark-fixed shares the sps arms' engine (capacity-embedded's default arms) and
+    switches capacity control off there: fixed k=7 through the same engine's steps."""
+    import importlib
+
+    from offline_sweep import engine_runs
+
+    from vllm_dspark.patches import compact_verification
+
+    importlib.import_module(compact_verification.RUNNER_MODULE)
+    compact_verification.apply()
+    curve = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    ((label, start, switches),) = engine_runs(
+        ["sps", "sps-plain", "dspark-fixed"], shared_engine=True, sps_curve=curve
+    )
+    assert label == "sps+sps-plain+dspark-fixed"
+    speculator = plugin_speculator(**start)
+    speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
+    (_, sps), _, (_, fixed) = switches
+    assert speculator.switch_capacity(sps).capacity == "sps" and speculator.controls_capacity
+    options = speculator.switch_capacity(fixed)
+    assert options.capacity == "off" and not options.dynamic_depth
+    assert not speculator.controls_capacity and speculator.draft_gate is None
+    assert speculator.proposal_depth(4) == K
+
+
 def test_a_batch_returns_at_once_to_the_depth_its_prefill_steps_planned_below(
     plugin_speculator,
 ):

@@ -301,7 +301,7 @@ case "$stage" in
     # first engine (no speculation) runs again last: in both step_breakdown_embedded runs
     # at 54f3c3a and 9c5cbbb the engine started first had the slower steps.
     timeout 1200 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
-      --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-batch}" --shared-engine \
+      --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-batch,dspark-fixed}" --shared-engine \
       --concurrency "${4:-1,16,64,256}" --bracket --out "$OUT/$stage.json" 2>&1 | quiet \
       | tee "$OUT/$stage.log" \
       | tail -30
