@@ -199,8 +199,12 @@ ARMS = {
 
 
 # Capture sizes past vLLM's default 512 tokens (--graphs-to): a few, since each size is
-# captured for the target and the drafter alike.
-LARGE_CAPTURE_SIZES = (640, 768, 1024, 1280, 1536, 2048)
+# captured for the target and the drafter alike. 1,792: a DSpark drafter of K=7 queries 7
+# tokens a request (anchor first), and vLLM rounds each size up to a multiple of that and
+# drops what then exceeds the largest (2,048 -> 2,051): without it the largest draft graph
+# held 220 requests, and every K=7 arm drafted eagerly at 256 requests (the embedded pair's
+# step breakdown at bfbca4e: draft_cudagraph NONE), stock k=7 included.
+LARGE_CAPTURE_SIZES = (640, 768, 1024, 1280, 1536, 1792, 2048)
 
 
 def capture_sizes(graphs_to: int) -> list[int]:

@@ -137,6 +137,9 @@ def test_graphs_to_extends_vllms_capture_sizes_past_512():
     assert engine_kwargs("m", graphs_to=2048)["compilation_config"] == {
         "cudagraph_capture_sizes": capture_sizes(2048)
     }
+    # 256 requests of a K=7 DSpark drafter (7 query tokens each) have a draft graph; the
+    # target's 8 tokens each fit 2,048.
+    assert {256 * 7, 256 * 8} <= set(capture_sizes(2048))
 
 
 def test_sweep_engines_cache_no_prefix():
