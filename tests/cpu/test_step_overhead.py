@@ -1,5 +1,7 @@
 """The step's time outside the SPS curve, and what it changes in sps and the draft gate."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -297,40 +299,23 @@ def run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period):
 
 
 def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_speculator):
-    """The real control path on a simulated host-bound engine whose step takes, with n
-    drafts verified for R requests, F(R + n) (the curve: a small, fast target) + D
-    (drafting) + 2.5 ms + 5 us per draft: sps must learn O and b and settle on the
-    admission that maximises true tokens per second."""
+    """A simulated host-bound engine (:func:`host_bound_loop`) at 5 us per verified
+    draft: sps must learn O and b and settle on the admission that maximises true tokens
+    per second."""
     from test_compact_verification import K
 
-    num_reqs, fixed_s, per_draft_s, draft_s = 32, 2.5e-3, 5e-6, 3e-4
+    num_reqs, per_draft_s = 32, 5e-6
     curve = [[1, 8000.0], [64, 6000.0], [256, 2000.0]]
-    speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
-    # Calibrated survivals, requests from doubtful to confident.
-    confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
-    survival = torch.cumprod(confidence, dim=1)
-    table = speculator.sps_table_host
-
-    def step_seconds(drafts: int) -> float:
-        return 1 / float(table[num_reqs + drafts]) + draft_s + fixed_s + per_draft_s * drafts
-
-    def true_rate(drafts: int) -> float:
-        ordered = survival.flatten().sort(descending=True).values
-        return (num_reqs + float(ordered[:drafts].sum())) / step_seconds(drafts)
-
-    def period(budget: int, drafted: bool) -> float:
-        # The step's forward and host work, and the last proposal's drafting.
-        return step_seconds(budget) - (0.0 if drafted else draft_s)
-
-    budgets, decisions = run_closed_loop(speculator, clock, num_reqs, survival, 12 * WINDOW, period)
+    run = host_bound_loop(plugin_speculator, num_reqs, curve, 12 * WINDOW, per_draft_s)
+    speculator, survival, true_rate = run.speculator, run.survival, run.true_rate
     # On the curve alone the gate would have judged drafting too dear from the first step;
     # it waits for the first fit instead, and never closed.
-    assert speculator.proposals_skipped == 0 and decisions[-1]
+    assert speculator.proposals_skipped == 0 and run.decisions[-1]
     overhead = speculator.step_overhead
-    assert overhead.seconds == pytest.approx(fixed_s, rel=0.05)
+    assert overhead.seconds == pytest.approx(2.5e-3, rel=0.05)
     assert overhead.per_draft_seconds == pytest.approx(per_draft_s, rel=0.05)
     best = max(range(num_reqs * K + 1), key=true_rate)
-    settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
+    settled = max(set(run.budgets[-WINDOW:]), key=run.budgets[-WINDOW:].count)
     assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
     # Without the overhead model (the curve alone) it would have admitted far less, and
     # its gate would have closed.
@@ -342,16 +327,17 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_sp
     )
 
 
-def compaction_loop(plugin_speculator, num_reqs, curve, compaction_s, num_steps):
-    """A host-bound engine (the embedded pair's kind): 2.5 ms per step outside the
-    forward, 1 us per verified draft, a 0.3 ms proposal, and ``compaction_s`` more in a
-    step that verifies fewer than all R K drafts. Returns (speculator, budgets, true
-    tokens per second of an admission)."""
+def host_bound_loop(plugin_speculator, num_reqs, curve, num_steps, per_draft_s, compaction_s=0.0):
+    """The real control path on a simulated host-bound engine (the embedded pair's kind)
+    whose step takes, with n drafts verified for R requests, F(R + n) (the curve) + a
+    0.3 ms proposal + 2.5 ms + ``per_draft_s`` per draft, and ``compaction_s`` more when
+    it verifies fewer than all R K drafts; requests from doubtful to confident (calibrated
+    survivals). Returns the speculator, each step's admission and gate decision, the
+    survivals and the true tokens per second of an admission."""
     from test_compact_verification import K
 
-    fixed_s, per_draft_s, draft_s = 2.5e-3, 1e-6, 3e-4
+    fixed_s, draft_s = 2.5e-3, 3e-4
     speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
-    # Requests from doubtful to confident: the doubtful ones' last drafts rarely survive.
     confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
     survival = torch.cumprod(confidence, dim=1)
     table = speculator.sps_table_host
@@ -367,10 +353,17 @@ def compaction_loop(plugin_speculator, num_reqs, curve, compaction_s, num_steps)
         return (num_reqs + float(ordered[:drafts].sum())) / step_seconds(drafts)
 
     def period(budget: int, drafted: bool) -> float:
+        # The step's forward and host work, and the last proposal's drafting.
         return step_seconds(budget) - (0.0 if drafted else draft_s)
 
-    budgets, _ = run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period)
-    return speculator, budgets, true_rate
+    budgets, decisions = run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period)
+    return SimpleNamespace(
+        speculator=speculator,
+        budgets=budgets,
+        decisions=decisions,
+        survival=survival,
+        true_rate=true_rate,
+    )
 
 
 def test_sps_verifies_everything_where_compacting_costs_more_than_it_saves(plugin_speculator):
@@ -383,9 +376,8 @@ def test_sps_verifies_everything_where_compacting_costs_more_than_it_saves(plugi
 
     num_reqs, compaction_s = 32, 1e-3
     flat = [[1, 8000.0], [64, 7900.0], [256, 7500.0]]
-    speculator, budgets, true_rate = compaction_loop(
-        plugin_speculator, num_reqs, flat, compaction_s, 24 * WINDOW
-    )
+    run = host_bound_loop(plugin_speculator, num_reqs, flat, 24 * WINDOW, 1e-6, compaction_s)
+    speculator, budgets, true_rate = run.speculator, run.budgets, run.true_rate
     full = num_reqs * K
     # Once the first proposal is read it compacts: the premium is not known yet.
     assert max(budgets[2:WINDOW]) < full
@@ -404,9 +396,8 @@ def test_sps_keeps_compacting_where_it_saves_more_than_it_costs(plugin_speculato
 
     num_reqs = 32
     steep = [[1, 4000.0], [32, 3000.0], [256, 100.0]]
-    speculator, budgets, true_rate = compaction_loop(
-        plugin_speculator, num_reqs, steep, 1e-3, 16 * WINDOW
-    )
+    run = host_bound_loop(plugin_speculator, num_reqs, steep, 16 * WINDOW, 1e-6, 1e-3)
+    budgets, true_rate = run.budgets, run.true_rate
     full = num_reqs * K
     assert full not in budgets[2:]  # (before the first proposal is read, all are verified)
     best = max(range(full + 1), key=true_rate)
