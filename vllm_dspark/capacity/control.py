@@ -481,8 +481,7 @@ class CapacityControl(DepthControl):
             return budget
         full = num_reqs * num_drafts
         if self.options.capacity == "sps" and budget < cap == full and not self.masked_step_drafts:
-            uncompacted = functools.partial(self._compaction_could_decide, num_reqs, budget)
-            return self._vary_admission(budget, budget, full_probe=(full, uncompacted))
+            return self._vary_admission(budget, budget, full=full)
         return self._vary_admission(budget, budget)
 
     def _vary_admission(
@@ -490,7 +489,7 @@ class CapacityControl(DepthControl):
         budget: int,
         drafts: int,
         worth_it: Callable[[], bool] | None = None,
-        full_probe: tuple[int, Callable[[], bool]] | None = None,
+        full: int | None = None,
     ) -> int:
         """sps or acceptance measuring its step overhead: one step in EXPLORE_EVERY of
         those verifying ``drafts`` >= EXPLORE_MIN_DRAFTS verifies the better half of its
@@ -498,10 +497,10 @@ class CapacityControl(DepthControl):
         only) says its reading could change no decision. Steps that all verify the same
         number of drafts (an admission that has settled) cannot tell the per-draft time
         from the per-step time (``step_overhead``); this step can, for the price of its
-        less likely half of the drafts. ``full_probe``: (all R K drafts, whether the
-        compaction premium could decide): every other probe then verifies all of them,
-        uncompacted, where that could decide, so that C is measured against steps that
-        were not compacted. A function of the step count, the step's drafts and host
+        less likely half of the drafts. ``full``: all R K drafts (sps, compacting): every
+        other probe then verifies all of them, uncompacted, where the compaction premium
+        could decide (:meth:`_compaction_could_decide`), so that C is measured against
+        steps that were not compacted. A function of the step count, the step's drafts and host
         values every rank holds alike: lossless, and the same on every rank."""
         if drafts < EXPLORE_MIN_DRAFTS or budget < 2:
             return budget
@@ -511,10 +510,10 @@ class CapacityControl(DepthControl):
         self.steps_since_varied = 0
         if worth_it is not None and not worth_it():
             return budget
-        if full_probe is not None:
-            full, could_decide = full_probe
+        if full is not None:
             self.full_probe_next = not self.full_probe_next
-            if self.full_probe_next and could_decide():
+            num_reqs = full // self.num_speculative_steps
+            if self.full_probe_next and self._compaction_could_decide(num_reqs, budget):
                 return full
         return budget // 2
 
