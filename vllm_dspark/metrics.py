@@ -103,6 +103,7 @@ class AdmissionCounts:
     depth: int = 0  # sequential positions the drafter computes now (a gauge)
     depth_changes: int = 0  # changes of the depth drafted (dynamic depth) or verified
     proposals_skipped: int = 0  # by the draft gate (sps with profiled costs)
+    proposals_rested: int = 0  # sps at rest: drafted without the controller's work
     fingerprint: int = 0  # hash of every compacted step's admissions (ranks must agree)
     # sps: the step's time outside the SPS curve now (gauges, capacity/step_overhead.py)
     step_overhead_ms: float = 0.0
@@ -125,6 +126,7 @@ class AdmissionCounts:
             self.depth,
             self.depth_changes - other.depth_changes,
             self.proposals_skipped - other.proposals_skipped,
+            self.proposals_rested - other.proposals_rested,
             self.fingerprint,
             self.step_overhead_ms,
             self.per_request_overhead_us,
@@ -155,10 +157,15 @@ def _worker_admission(worker) -> dict:
         "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
         "depth_changes": getattr(speculator, "depth_changes", 0),
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
+        "proposals_rested": _proposals_rested(getattr(speculator, "rest", None)),
         "fingerprint": getattr(speculator, "admission_fingerprint", 0),
         **_overhead(getattr(speculator, "step_overhead", None)),
         "proposals_at_depth": list(getattr(speculator, "proposals_at_depth", [])),
     }
+
+
+def _proposals_rested(rest) -> int:
+    return rest.proposals_rested if rest is not None else 0
 
 
 def _overhead(step_overhead) -> dict:

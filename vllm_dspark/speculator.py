@@ -224,8 +224,11 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         real_step = not call.get("dummy_run", False)
         input_batch = call["input_batch"]
         slots = input_batch.idx_mapping
-        drafting = True
-        if real_step:
+        drafting = self.rest_proposal(input_batch.num_reqs) if real_step else None
+        resting = drafting is not None
+        if not real_step:
+            drafting = True
+        elif not resting:
             self.observe_real_step(input_batch, call["num_sampled"])
             self._plan_depth(input_batch.num_reqs)
             drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
@@ -234,7 +237,7 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         drafts = super().propose(*args, **kwargs) if drafting else self._propose_skipped(call)
         if real_step:
             self.drafted_last = drafting
-        if self.has_confidence and real_step:
+        if self.has_confidence and real_step and not resting:
             survival = self.survival[: input_batch.num_reqs]
             self.slot_survival[slots] = survival
             self.slot_confidence_logits[slots] = self.confidence_logits[: input_batch.num_reqs]
@@ -353,9 +356,11 @@ class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFl
         drafting = True
         if real_step:
             input_batch = call["input_batch"]
-            self.observe_real_step(input_batch, call["num_sampled"])
-            self._plan_depth(input_batch.num_reqs)
-            drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
+            drafting = self.rest_proposal(input_batch.num_reqs)
+            if drafting is None:
+                self.observe_real_step(input_batch, call["num_sampled"])
+                self._plan_depth(input_batch.num_reqs)
+                drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
             self.drafted_last = drafting
         if drafting:
             return super().propose(*args, **kwargs)

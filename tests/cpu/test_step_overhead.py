@@ -279,20 +279,26 @@ def simulated_sps(plugin_speculator, curve, draft_s, **options):
 def run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period):
     """``num_steps`` steps of the real control path: each step verifies what sps admits,
     lasts ``period(budget, drafted)`` seconds (``drafted``: whether the proposal it
-    verifies drafted) and is followed by the gate's proposal decision. Returns each
-    step's admission and each decision."""
+    verifies drafted) and is followed by the gate's proposal decision, or a rest's
+    (capacity/rest.py), as compact_verification's wrapper and the speculator's propose
+    take them. Returns each step's admission and each decision."""
     budgets, decisions, drafted = [], [], True  # the proposal before the first step drafted
     for _ in range(num_steps):
-        budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
-        speculator.step_tokens = num_reqs + budget
-        # What compact_verification's wrapper marks: all R K drafts run vLLM's own step.
-        speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
+        if speculator.resting:  # vLLM's own step, all R K drafts
+            budget = num_reqs * speculator.num_speculative_steps
+        else:
+            budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
+            speculator.step_tokens = num_reqs + budget
+            # What the wrapper marks: all R K drafts run vLLM's own step.
+            speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
         clock.now += period(budget, drafted)
-        speculator.observe_step(num_reqs)
-        drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
-        speculator.drafted_last = drafted
-        if drafted:
-            speculator.record_proposal(survival)
+        drafted = speculator.rest_proposal(num_reqs)
+        if drafted is None:
+            speculator.observe_step(num_reqs)
+            drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
+            speculator.drafted_last = drafted
+            if drafted:
+                speculator.record_proposal(survival)
         budgets.append(budget)
         decisions.append(drafted)
     return budgets, decisions
@@ -386,6 +392,10 @@ def test_sps_verifies_everything_where_compacting_costs_more_than_it_saves(plugi
     settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
     assert settled == full
     assert true_rate(full) > 1.2 * true_rate(budgets[2])
+    # Settled on every draft, the controller rests (capacity/rest.py) most steps from
+    # then on, and its fit (read through the rests) holds.
+    assert speculator.rest.proposals_rested > 0.8 * (len(budgets) - 4 * WINDOW)
+    assert budgets[-8 * WINDOW :] == [full] * (8 * WINDOW)
 
 
 def test_sps_keeps_compacting_where_it_saves_more_than_it_costs(plugin_speculator):
@@ -400,6 +410,7 @@ def test_sps_keeps_compacting_where_it_saves_more_than_it_costs(plugin_speculato
     budgets, true_rate = run.budgets, run.true_rate
     full = num_reqs * K
     assert full not in budgets[2:]  # (before the first proposal is read, all are verified)
+    assert run.speculator.rest.rests == 0
     best = max(range(full + 1), key=true_rate)
     settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
     assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)

@@ -53,6 +53,7 @@ from vllm_dspark.capacity.draft_gate import (
 from vllm_dspark.capacity.physical_depth import WINDOW_STEPS, PhysicalDepth
 from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
+from vllm_dspark.capacity.rest import AdmissionRest
 from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshots
 from vllm_dspark.capacity.startup_checks import (
     check_compaction_backends,
@@ -126,6 +127,8 @@ class CapacityControl(DepthControl):
         self.stale_budget = None
         if options.capacity in ("threshold", "sps"):
             self.stale_budget = StalePerRequest(device, options.budget_frac * num_drafts)
+        # sps: resting while every draft is worth verifying (rest.py).
+        self.rest = AdmissionRest() if options.capacity == "sps" else None
         self.sps_table = None
         self.sps_table_host = None
         # sps: the step's time outside the curve, measured once per engine (switched
@@ -451,6 +454,43 @@ class CapacityControl(DepthControl):
             return 0.0
         return proposal_seconds(self.draft_tables, min(num_reqs, self.max_num_reqs), depth)
 
+    @property
+    def resting(self) -> bool:
+        """sps at rest (:mod:`vllm_dspark.capacity.rest`): steps verify every draft."""
+        return self.rest is not None and self.rest.resting
+
+    def rest_proposal(self, num_reqs: int) -> bool | None:
+        """At a real proposal: None when it does not rest, else whether it drafts (at full
+        depth, without the controller's work: survivals, statistics, gate); plain steps:
+        not for a step the scheduler gave no drafts."""
+        rest = self.rest
+        if rest is None or not rest.resting:
+            return None
+        if not rest.take_proposal(num_reqs, self.stale_budget.proposals):
+            # Woken: the step just run is no sample of the step overhead (the clock ran
+            # through the rest).
+            self.step_tokens = None
+            return None
+        drafting = not self.options.plain_steps or self.next_step_drafts != 0
+        self.proposals_at_depth[self.draft_depth - 1] += drafting
+        self.drafted_last = drafting
+        return drafting
+
+    def _observe_rest(self, num_reqs: int, admits_all: bool) -> None:
+        """sps, after reading a proposal's statistics: whether the controller may rest.
+        Only at full depth, with the step costs fitted (or given) and no reader of every
+        step's verification (calibration metrics, online STS)."""
+        overhead = self.step_overhead
+        wants_all = (
+            admits_all
+            and self.draft_depth == self.num_speculative_steps
+            and (overhead is None or overhead.ready)
+            and not self._reads_verification
+        )
+        self.rest.observe(wants_all, self.stale_budget.proposals - 2, num_reqs)
+        if self.rest.resting and self.options.plain_steps:
+            self.gate_report = self.num_speculative_steps  # the scheduler drafts throughout
+
     def admission_budget(self, num_reqs: int, vary: bool = True) -> int:
         """How many drafts a step's ``num_reqs`` decoding requests verify (host-known);
         ``vary``: the step may be one that measures the per-draft time (not one that also
@@ -458,6 +498,8 @@ class CapacityControl(DepthControl):
         if not self.drafted_last:
             return 0  # the proposal being verified drafted nothing
         num_drafts = self.num_speculative_steps
+        if self.resting:
+            return num_reqs * num_drafts
         cap = admission_budget(num_reqs, num_drafts, self.options.budget_frac)
         if self.physical_depth is not None:
             # The drafts being verified were computed to the depth of the last proposal.
@@ -477,9 +519,11 @@ class CapacityControl(DepthControl):
         wanted = round(self.stale_budget.per_request() * num_reqs)
         # At least one draft: a compacted step always has drafts to verify.
         budget = max(1, min(cap, wanted))
+        full = num_reqs * num_drafts
+        if self.rest is not None and vary:
+            self._observe_rest(num_reqs, budget == full)
         if not measuring:
             return budget
-        full = num_reqs * num_drafts
         if self.options.capacity == "sps" and budget < cap == full and not self.masked_step_drafts:
             return self._vary_admission(budget, budget, full=full)
         return self._vary_admission(budget, budget)
@@ -584,7 +628,7 @@ class CapacityControl(DepthControl):
         self.drafts_proposed += num_reqs * num_drafts
         self.drafts_admitted += num_reqs * num_drafts
         self.trace_step(num_reqs, num_reqs * num_drafts)
-        if self.physical_depth is not None:
+        if self.physical_depth is not None and not self.resting:
             max_admitted = round(self.stale_max_admitted.per_request())
             self.stale_max_admitted.record(self.all_drafts, 1)
             self.physical_depth.observe(num_reqs, max_admitted, self._paying_depth)

@@ -141,10 +141,14 @@ class StepBudget:
 
 def _step_budget(runner, scheduler_output) -> StepBudget | None:
     """B for a step that can be compacted, else None (all K drafts are verified)."""
+    speculator = runner.speculator
+    if speculator.resting:
+        # sps at rest (capacity/rest.py): vLLM's own step, its requests not sorted out.
+        speculator.record_full_admission(len(scheduler_output.scheduled_spec_decode_tokens))
+        return None
     decoding = _decoding_requests(runner, scheduler_output)
     if decoding is None:
         return None
-    speculator = runner.speculator
     num_drafts = speculator.num_speculative_steps
     mixed = len(decoding) < len(scheduler_output.num_scheduled_tokens)
     budget = speculator.admission_budget(len(decoding), vary=not mixed)

@@ -1,0 +1,94 @@
+"""sps at rest (vllm_dspark/capacity/rest.py): when it starts and ends, and what a resting
+step and proposal leave out."""
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm_dspark.capacity.rest import REST_AFTER, REST_PROPOSALS, AdmissionRest
+
+K = 7
+
+
+def rested_for(rest: AdmissionRest, num_reqs: int = 16) -> int:
+    """Proposals taken until the rest ends (the waking one not counted)."""
+    count = 0
+    while rest.take_proposal(num_reqs, records_made=100):
+        count += 1
+    return count
+
+
+def test_a_rest_starts_after_enough_fresh_readings_and_lasts_its_proposals():
+    rest = AdmissionRest()
+    for record in range(REST_AFTER - 1):
+        rest.observe(True, record, 16)
+    rest.observe(False, REST_AFTER, 16)  # one reading that wants fewer drafts: start over
+    for record in range(REST_AFTER + 1, 2 * REST_AFTER):
+        rest.observe(True, record, 16)
+    assert not rest.resting
+    rest.observe(True, 2 * REST_AFTER, 16)
+    assert rest.resting and rest.rests == 1
+    assert rested_for(rest) == REST_PROPOSALS - 1 == rest.proposals_rested
+    assert not rest.resting and rest.fresh_from == 100
+    # Records made before the waking proposal were counted before the rest.
+    for record in range(90, 100):
+        rest.observe(True, record, 16)
+    assert not rest.resting
+    for record in range(100, 100 + REST_AFTER):
+        rest.observe(True, record, 16)
+    assert rest.resting and rest.rests == 2
+
+
+def test_a_batch_that_grows_or_shrinks_past_the_band_wakes_the_rest():
+    for num_reqs, woken in ((24, False), (11, False), (25, True), (10, True)):
+        rest = AdmissionRest()
+        for record in range(REST_AFTER):
+            rest.observe(True, record, 16)
+        assert rest.take_proposal(16, 0)
+        assert rest.take_proposal(num_reqs, 0) is not woken
+        assert rest.resting is not woken
+
+
+def resting_speculator(sps_speculator, proposals: int):
+    """An sps speculator whose rest has ``proposals`` proposals left, at 16 requests."""
+    speculator = sps_speculator()
+    speculator.rest.left, speculator.rest.batch = proposals, 16
+    return speculator
+
+
+def test_a_resting_step_runs_vllms_own_step_counted_as_admitting_every_draft(sps_speculator):
+    from vllm_dspark.patches.compact_verification import _step_budget
+
+    speculator = resting_speculator(sps_speculator, 2)
+    speculator.admission_budget = None  # a resting step must not plan
+    drafts = {f"r{i}": [-1] * K for i in range(3)}
+    step = SimpleNamespace(scheduled_spec_decode_tokens=drafts, num_scheduled_tokens={})
+    assert _step_budget(SimpleNamespace(speculator=speculator), step) is None
+    assert speculator.drafts_proposed == speculator.drafts_admitted == 3 * K
+    assert speculator.step_tokens is None  # no sample of the step overhead
+
+
+def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans(
+    sps_speculator, monkeypatch
+):
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    monkeypatch.setattr(DSparkSpeculator, "propose", lambda self, *a, **kw: "drafted")
+    speculator = resting_speculator(sps_speculator, 3)
+    planned = []
+    monkeypatch.setattr(speculator, "observe_real_step", lambda *a: planned.append(True))
+    unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
+    unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
+    call = dict.fromkeys(unused) | {
+        "input_batch": SimpleNamespace(num_reqs=16, idx_mapping=torch.arange(16)),
+        "num_sampled": torch.ones(16, dtype=torch.int64),
+    }
+
+    def propose():
+        return speculator.propose(**call)
+
+    assert [propose(), propose()] == ["drafted", "drafted"] and not planned
+    assert speculator.proposals_at_depth[K - 1] == 2 and speculator.drafted_last
+    speculator.step_tokens = 16  # set by a plain step during the rest: no sample
+    propose()  # wakes: the controller plans again, the step just run is no sample
+    assert planned == [True] and not speculator.resting and speculator.step_tokens is None
