@@ -13,9 +13,13 @@ Once REST_AFTER consecutive readings of fresh proposals' statistics (:mod:`stale
 want every draft verified, at full depth, the draft gate open, the next REST_PROPOSALS
 proposals run as fixed depth: vLLM's own step, no statistics, gate or admission. Then
 the controller plans again, and rests again only once as many fresh readings agree. A
-batch that grows or shrinks past REST_BAND times its size at the rest's start wakes it
-early (the best admission moves with the batch). Where the controller reads every step's
-verification (calibration metrics, online STS) it never rests.
+batch that grows past REST_GROWTH times its size at the rest's start wakes it early: more
+requests make each verified draft dearer (a steeper curve, a larger forward to save), and
+compacting may pay again. A shrinking one does not: with fewer requests every cost the
+admission weighs (the forward saved, b per draft) shrinks against O and C, so every draft
+stays worth verifying, and a draining batch (the embedded pair's at 256 requests: 256 to
+1 over ~60 steps) would otherwise wake it every few steps. Where the controller reads every
+step's verification (calibration metrics, online STS) it never rests.
 
 Lossless: whether a step rests is a function of earlier proposals' statistics, the
 proposal count and the batch size, never of the drafts it verifies (a resting step
@@ -31,8 +35,8 @@ REST_AFTER = 8
 # Proposals a rest lasts: the controller then plans about 10 of every 138 steps (2 to read
 # fresh statistics after waking, then REST_AFTER), keeping ~93% of what resting saves.
 REST_PROPOSALS = 128
-# A batch this many times larger or smaller than at the rest's start wakes it.
-REST_BAND = 1.5
+# A batch this many times larger than at the rest's start wakes it.
+REST_GROWTH = 1.5
 
 
 class AdmissionRest:
@@ -64,8 +68,7 @@ class AdmissionRest:
         if not self.left:
             return False
         self.left -= 1
-        moved = not self.batch / REST_BAND <= num_reqs <= self.batch * REST_BAND
-        if self.left and not moved:
+        if self.left and num_reqs <= self.batch * REST_GROWTH:
             self.proposals_rested += 1
             return True
         self.left, self.fresh_from = 0, records_made
