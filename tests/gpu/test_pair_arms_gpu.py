@@ -284,6 +284,10 @@ def test_capacity_modes_are_lossless(arms, mode):
         assert admitted >= compacted["admitted"] / compacted["proposed"], (admission, compacted)
     # Steps admitting every draft run uncompacted; some step must have been decided.
     assert admission["steps"] > 0 or admission["admitted"] == admission["proposed"] > 0
+    if mode == "sps-auto" and admission["admitted"] == admission["proposed"]:
+        # Every draft worth verifying on this pair (8791c92): sps rests (capacity/rest.py),
+        # and its outputs, compared above, stay no speculation's.
+        assert admission["proposals_rested"] > 0, admission
     if mode.startswith("budget"):
         # vLLM's draft-token counter counts verified drafts (patches/admission_metrics.py):
         # about half of K per request at budget_frac 0.5 (uncompacted steps verify all K).
