@@ -356,11 +356,9 @@ class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFl
         drafting = True
         if real_step:
             input_batch = call["input_batch"]
-            drafting = self.rest_proposal(input_batch.num_reqs)
-            if drafting is None:
-                self.observe_real_step(input_batch, call["num_sampled"])
-                self._plan_depth(input_batch.num_reqs)
-                drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
+            self.observe_real_step(input_batch, call["num_sampled"])
+            self._plan_depth(input_batch.num_reqs)
+            drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
             self.drafted_last = drafting
         if drafting:
             return super().propose(*args, **kwargs)
