@@ -92,3 +92,49 @@ def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans
     speculator.step_tokens = 16  # set by a plain step during the rest: no sample
     propose()  # wakes: the controller plans again, the step just run is no sample
     assert planned == [True] and not speculator.resting and speculator.step_tokens is None
+
+
+def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator):
+    """Tensor parallelism: two sps ranks whose host clocks differ (the second's steps read
+    1.3x as long), fed the same survivals, their step costs reduced over the ranks, admit,
+    rest and wake alike at every step, while the survivals and the batch change."""
+    from test_step_overhead import simulated_sps
+
+    ranks = [simulated_sps(plugin_speculator, [[1, 8000.0], [64, 7900.0], [512, 7500.0]], 3e-4)]
+    ranks.append(simulated_sps(plugin_speculator, [[1, 8000.0], [64, 7900.0], [512, 7500.0]], 3e-4))
+    overheads = [speculator.step_overhead for speculator, _ in ranks]
+
+    def reduce_max(tensor):  # the second rank's call completes the collective
+        if tensor is overheads[1]._device_value:
+            torch.maximum(tensor, overheads[0]._device_value, out=tensor)
+            overheads[0]._device_value.copy_(tensor)
+            overheads[0]._host_value.copy_(tensor)
+
+    for overhead in overheads:
+        overhead._reduce_max = reduce_max
+    confident = torch.cumprod(torch.full((64, K), 0.9), dim=1)
+    doubtful = torch.cumprod(torch.full((64, K), 0.02), dim=1)
+    decisions = []
+    for step in range(900):
+        num_reqs = 8 if step < 600 else 16  # grows 2x: wakes a rest
+        survival = (doubtful if 300 <= step < 340 else confident)[:num_reqs]
+        per_rank = []
+        for (speculator, clock), slower in zip(ranks, (1.0, 1.3), strict=True):
+            resting = speculator.resting
+            if resting:
+                budget = num_reqs * K
+            else:
+                budget = speculator.admission_budget(num_reqs)
+                speculator.step_tokens = num_reqs + budget
+            clock.now += slower * (2.5e-3 + 2e-5 * budget)  # 20 us per verified draft
+            if speculator.rest_proposal(num_reqs) is None:
+                speculator.observe_step(num_reqs)
+                speculator.drafted_last = speculator.plan_proposal(num_reqs, K)
+                speculator.record_proposal(survival)
+            per_rank.append((budget, resting))
+        assert per_rank[0] == per_rank[1], step
+        decisions.append(per_rank[0])
+    rests = [speculator.rest for speculator, _ in ranks]
+    assert rests[0].proposals_rested == rests[1].proposals_rested > 300
+    assert rests[0].rests >= 3  # before the doubtful stretch, after it, after the growth
+    assert any(budget < 8 * K for budget, _ in decisions[300:360])  # doubtful: fewer
