@@ -98,10 +98,10 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
     """Tensor parallelism: two sps ranks whose host clocks differ (the second's steps read
     1.3x as long), fed the same survivals, their step costs reduced over the ranks, admit,
     rest and wake alike at every step, while the survivals and the batch change."""
-    from test_step_overhead import simulated_sps
+    from test_step_overhead import closed_loop_step, simulated_sps
 
-    ranks = [simulated_sps(plugin_speculator, [[1, 8000.0], [64, 7900.0], [512, 7500.0]], 3e-4)]
-    ranks.append(simulated_sps(plugin_speculator, [[1, 8000.0], [64, 7900.0], [512, 7500.0]], 3e-4))
+    curve = [[1, 8000.0], [64, 7900.0], [512, 7500.0]]
+    ranks = [simulated_sps(plugin_speculator, curve, 3e-4) for _ in range(2)]
     overheads = [speculator.step_overhead for speculator, _ in ranks]
 
     def reduce_max(tensor):  # the second rank's call completes the collective
@@ -114,23 +114,20 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
         overhead._reduce_max = reduce_max
     confident = torch.cumprod(torch.full((64, K), 0.9), dim=1)
     doubtful = torch.cumprod(torch.full((64, K), 0.02), dim=1)
-    decisions = []
+    decisions, drafted = [], [True, True]
     for step in range(900):
         num_reqs = 8 if step < 600 else 16  # grows 2x: wakes a rest
         survival = (doubtful if 300 <= step < 340 else confident)[:num_reqs]
         per_rank = []
-        for (speculator, clock), slower in zip(ranks, (1.0, 1.3), strict=True):
+        for rank, (speculator, clock) in enumerate(ranks):
             resting = speculator.resting
-            if resting:
-                budget = num_reqs * K
-            else:
-                budget = speculator.admission_budget(num_reqs)
-                speculator.step_tokens = num_reqs + budget
-            clock.now += slower * (2.5e-3 + 2e-5 * budget)  # 20 us per verified draft
-            if speculator.rest_proposal(num_reqs) is None:
-                speculator.observe_step(num_reqs)
-                speculator.drafted_last = speculator.plan_proposal(num_reqs, K)
-                speculator.record_proposal(survival)
+
+            def period(budget, _drafted, slower=1.3**rank):
+                return slower * (2.5e-3 + 2e-5 * budget)  # 20 us per verified draft
+
+            budget, drafted[rank] = closed_loop_step(
+                speculator, clock, num_reqs, survival, period, drafted[rank]
+            )
             per_rank.append((budget, resting))
         assert per_rank[0] == per_rank[1], step
         decisions.append(per_rank[0])

@@ -277,31 +277,38 @@ def simulated_sps(plugin_speculator, curve, draft_s, **options):
 
 
 def run_closed_loop(speculator, clock, num_reqs, survival, num_steps, period):
-    """``num_steps`` steps of the real control path: each step verifies what sps admits,
-    lasts ``period(budget, drafted)`` seconds (``drafted``: whether the proposal it
-    verifies drafted) and is followed by the gate's proposal decision, or a rest's
-    (capacity/rest.py), as compact_verification's wrapper and the speculator's propose
-    take them. Returns each step's admission and each decision."""
+    """``num_steps`` steps of :func:`closed_loop_step`. Returns each step's admission and
+    each decision."""
     budgets, decisions, drafted = [], [], True  # the proposal before the first step drafted
     for _ in range(num_steps):
-        if speculator.resting:  # vLLM's own step, all R K drafts
-            budget = num_reqs * speculator.num_speculative_steps
-        else:
-            budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
-            speculator.step_tokens = num_reqs + budget
-            # What the wrapper marks: all R K drafts run vLLM's own step.
-            speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
-        clock.now += period(budget, drafted)
-        drafted = speculator.rest_proposal(num_reqs)
-        if drafted is None:
-            speculator.observe_step(num_reqs)
-            drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
-            speculator.drafted_last = drafted
-            if drafted:
-                speculator.record_proposal(survival)
+        budget, drafted = closed_loop_step(speculator, clock, num_reqs, survival, period, drafted)
         budgets.append(budget)
         decisions.append(drafted)
     return budgets, decisions
+
+
+def closed_loop_step(speculator, clock, num_reqs, survival, period, drafted):
+    """One step of the real control path: it verifies what sps admits, lasts
+    ``period(budget, drafted)`` seconds (``drafted``: whether the proposal it verifies
+    drafted) and is followed by the gate's proposal decision, or a rest's
+    (capacity/rest.py), as compact_verification's wrapper and the speculator's propose
+    take them. Returns (the step's admission, whether the next proposal drafts)."""
+    if speculator.resting:  # vLLM's own step, all R K drafts
+        budget = num_reqs * speculator.num_speculative_steps
+    else:
+        budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
+        speculator.step_tokens = num_reqs + budget
+        # What the wrapper marks: all R K drafts run vLLM's own step.
+        speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
+    clock.now += period(budget, drafted)
+    drafted = speculator.rest_proposal(num_reqs)
+    if drafted is None:
+        speculator.observe_step(num_reqs)
+        drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
+        speculator.drafted_last = drafted
+        if drafted:
+            speculator.record_proposal(survival)
+    return budget, drafted
 
 
 def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_speculator):
