@@ -48,11 +48,17 @@ class StalePerRequest:
             event.record()
         self.proposals += 1
 
+    @property
+    def record_read(self) -> int:
+        """The index of the record :meth:`per_request` reads: the one before the last
+        (negative while there is none, and it reads the initial value)."""
+        return self.proposals - 2
+
     def per_request(self) -> float | list[float]:
         """The total per request of the proposal before the last one (at first, the
         initial value)."""
-        if self.proposals >= 2:
-            slot = (self.proposals - 2) % 2
+        if self.record_read >= 0:
+            slot = self.record_read % 2
             event = self._events[slot]
             if event is not None:
                 event.synchronize()
