@@ -302,12 +302,13 @@ def closed_loop_step(speculator, clock, num_reqs, survival, period, drafted):
         speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
     clock.now += period(budget, drafted)
     drafted = speculator.rest_proposal(num_reqs)
-    if drafted is None:
+    resting = drafted is not None
+    if not resting:
         speculator.observe_step(num_reqs)
         drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
-        speculator.drafted_last = drafted
-        if drafted:
-            speculator.record_proposal(survival)
+    speculator.drafted_last = drafted  # before the record, as in propose
+    if drafted and not resting:
+        speculator.record_proposal(survival)
     return budget, drafted
 
 

@@ -473,7 +473,6 @@ class CapacityControl(DepthControl):
             return None
         drafting = not self.options.plain_steps or self.next_step_drafts != 0
         self.proposals_at_depth[self.draft_depth - 1] += drafting
-        self.drafted_last = drafting
         return drafting
 
     def _observe_rest(self, num_reqs: int, admits_all: bool) -> None:
@@ -487,7 +486,7 @@ class CapacityControl(DepthControl):
             and (overhead is None or overhead.ready)
             and not self._reads_verification
         )
-        self.rest.observe(wants_all, self.stale_budget.proposals - 2, num_reqs)
+        self.rest.observe(wants_all, self.stale_budget.record_read, num_reqs)
         if self.rest.resting and self.options.plain_steps:
             self.gate_report = self.num_speculative_steps  # the scheduler drafts throughout
 
