@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_dspark.capacity.rest import REST_AFTER, REST_PROPOSALS, AdmissionRest
+from vllm_dspark.capacity.rest import REST_AFTER, REST_LONGEST, REST_PROPOSALS, AdmissionRest
 
 K = 7
 
@@ -37,6 +37,25 @@ def test_a_rest_starts_after_enough_fresh_readings_and_lasts_its_proposals():
     for record in range(100, 100 + REST_AFTER):
         rest.observe(True, record, 16)
     assert rest.resting and rest.rests == 2
+
+
+def next_rest(rest: AdmissionRest) -> int:
+    """Fresh readings wanting every draft until the next rest starts, then its length."""
+    for record in range(REST_AFTER):
+        rest.observe(True, rest.fresh_from + record, 16)
+    return rested_for(rest) + 1  # with the waking proposal
+
+
+def test_rests_that_follow_each_other_double_up_to_the_longest_and_doubt_or_growth_resets():
+    rest = AdmissionRest()
+    lengths = [next_rest(rest) for _ in range(6)]
+    assert lengths == [128, 256, 512, 1024, 1024, 1024] and REST_LONGEST == 1024
+    rest.observe(False, rest.fresh_from, 16)  # one reading that wants fewer drafts
+    assert [next_rest(rest) for _ in range(2)] == [REST_PROPOSALS, 2 * REST_PROPOSALS]
+    for record in range(REST_AFTER):
+        rest.observe(True, rest.fresh_from + record, 16)
+    assert rest.take_proposal(16, 100) and not rest.take_proposal(25, 100)  # grown: woken
+    assert next_rest(rest) == REST_PROPOSALS
 
 
 def test_a_batch_that_grows_past_its_bound_wakes_the_rest_and_one_that_shrinks_does_not():
@@ -117,7 +136,8 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
     decisions, drafted = [], [True, True]
     for step in range(900):
         num_reqs = 8 if step < 600 else 16  # grows 2x: wakes a rest
-        survival = (doubtful if 300 <= step < 340 else confident)[:num_reqs]
+        # Doubtful drafts from within the second rest (256 proposals, ~210-465) to past it.
+        survival = (doubtful if 300 <= step < 520 else confident)[:num_reqs]
         per_rank = []
         for rank, (speculator, clock) in enumerate(ranks):
             resting = speculator.resting
@@ -134,4 +154,5 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
     rests = [speculator.rest for speculator, _ in ranks]
     assert rests[0].proposals_rested == rests[1].proposals_rested > 300
     assert rests[0].rests >= 3  # before the doubtful stretch, after it, after the growth
-    assert any(budget < 8 * K for budget, _ in decisions[300:360])  # doubtful: fewer
+    # Doubtful: fewer drafts, once the rest that began before the stretch ends.
+    assert any(budget < 8 * K for budget, _ in decisions[300:520])
