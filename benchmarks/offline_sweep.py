@@ -19,7 +19,8 @@ real verification (DSpark arms only), on windows of its held-out text (``--promp
 ``--shared-engine`` runs capacity arms that differ only in what a running engine can
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
-(:mod:`vllm_dspark.engine_control`); their rows name that engine.
+(:mod:`vllm_dspark.engine_control`); their rows name that engine. ``--mirror`` runs them
+again in reverse order, each row numbered by its ``pass``.
 After its timed repeats each concurrency runs the first repeat's first wave once more,
 untimed, and records it step by step (``timeline``: when every request had its first
 token, when half had finished, the last token; :func:`step_timeline`; with speculation,
@@ -42,6 +43,7 @@ how long its engine took to start (``engine_start_s``) and its own measurement
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import json
@@ -382,8 +384,13 @@ def run_arm_here(spec: dict) -> None:
     for concurrency in spec["concurrency"]:
         llm.generate(prompts(concurrency, 50_000 + concurrency), params, use_tqdm=False)
 
-    # One arm, or (--shared-engine) several capacity arms switched in this engine.
-    for name, updates in spec.get("switch") or [[None, None]]:
+    # One arm, or (--shared-engine) several capacity arms switched in this engine; with
+    # --mirror each twice, its rows numbered by pass.
+    switch = spec.get("switch") or [[None, None]]
+    mirrored = len({name for name, _ in switch}) < len(switch)
+    passes: collections.Counter = collections.Counter()
+    for name, updates in switch:
+        passes[name] += 1
         if updates is not None:
             switch_capacity(llm, **updates)
             llm.generate(prompts(8, 1), params, use_tqdm=False)
@@ -462,6 +469,8 @@ def run_arm_here(spec: dict) -> None:
             gate = gate_inputs(llm) if speculating else {}
             if gate:
                 row["gate"] = gate
+            if mirrored:
+                row["pass"] = passes[name]
             print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
 
 
@@ -658,6 +667,13 @@ def main() -> int:
         help="run the first engine again after the others: its two runs' rows (bracket "
         "first / last) show how far the machine drifted between engines",
     )
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="a shared engine runs its arms again in reverse order (A B C C B A): each arm's "
+        "two passes (pass 1 / 2) average out a drift over the engine's life (at 9da6cdd, "
+        "one request, the embedded pair's arms ran faster the later they came)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -679,6 +695,8 @@ def main() -> int:
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
     arms = args.arms.split(",")
     runs = engine_runs(arms, args.shared_engine, curve)
+    if args.mirror:
+        runs = [[label, start, switch and switch + switch[::-1]] for label, start, switch in runs]
     if args.bracket:
         runs.append(list(runs[0]))
     setup = args.pair if args.pair == "embedded" else f"{args.pair}/{args.acceptance}"

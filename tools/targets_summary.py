@@ -88,13 +88,14 @@ def _setup(record: dict, setup: str) -> tuple[dict[tuple[str, int], float], dict
 
 
 def _tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
-    """An arm run twice in one engine (no speculation first and again last) counts at its
-    faster run."""
-    tok_s: dict[tuple[str, int], float] = {}
+    """An arm run more than once in one run (no speculation's engine first and again last,
+    ``--bracket``; a mirrored engine's arms in both passes, ``--mirror``) counts at the mean
+    of its runs: both designs put that mean at the middle of the run, where the other arms
+    ran."""
+    runs: dict[tuple[str, int], list[float]] = {}
     for row in rows:
-        key = (row["arm"], row["concurrency"])
-        tok_s[key] = max(tok_s.get(key, 0.0), row["tok_s"])
-    return tok_s
+        runs.setdefault((row["arm"], row["concurrency"]), []).append(row["tok_s"])
+    return {key: statistics.fmean(values) for key, values in runs.items()}
 
 
 def _best_other(tok_s: dict[tuple[str, int], float], arm: str, concurrency: int) -> str:

@@ -355,6 +355,36 @@ def test_offline_sweep_brackets_the_other_engines_with_the_first(
     ]
 
 
+def test_offline_sweep_mirrors_a_shared_engines_arms(fake_engines, monkeypatch, tmp_path):
+    """--mirror: a shared engine switches to its arms again in reverse order; an engine of
+    one arm runs once."""
+    import offline_sweep
+
+    monkeypatch.setattr(offline_sweep, "write_record", lambda path, rows, failed: None)
+    argv = ["offline_sweep.py", "--pair", "tiny", "--arms", "nospec,sps,sps-plain,dspark-fixed"]
+    argv += ["--shared-engine", "--mirror", "--concurrency", "1", "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert offline_sweep.main() == 0
+    nospec, shared = fake_engines.specs
+    assert nospec["switch"] is None
+    order = ["sps", "sps-plain", "dspark-fixed", "dspark-fixed", "sps-plain", "sps"]
+    assert [name for name, _ in shared["switch"]] == order
+
+
+def test_a_mirrored_engines_rows_are_numbered_by_pass(fake_llm, timed_arm, monkeypatch, capsys):
+    from vllm_dspark import engine_control
+
+    switched = []
+    monkeypatch.setattr(engine_control, "switch_capacity", lambda llm, **kw: switched.append(kw))
+    order = [["a", {"capacity": "sps"}], ["b", {"capacity": "off"}]]
+    timed_arm(
+        dummy=True, prompt_len=8, min_requests=1, prompts="arithmetic", switch=order + order[::-1]
+    )
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if "ROW " in line]
+    assert [(row["arm"], row["pass"]) for row in rows] == [("a", 1), ("b", 1), ("b", 2), ("a", 2)]
+    assert [kw["capacity"] for kw in switched] == ["sps", "off", "off", "sps"]
+
+
 def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_path):
     """A real process: rows arrive in order, a log longer than a pipe holds does not stall
     it, and a failing engine's exit code and stderr tail come back."""

@@ -298,12 +298,15 @@ case "$stage" in
     # 512 leaves speculative steps past 64 requests (and their drafter) eager. The first
     # engine (no speculation) took 2 min at 2e9fa62: 1,200 s for the four.
     # Optional: arms ($3) and concurrencies ($4) instead of the full table, timed repeats
-    # ($5; 3: one row's repeats spread up to 20% at 9da6cdd). --bracket: the
+    # ($5; 3: one row's repeats spread up to 20% at 9da6cdd), and "mirror" ($6: the shared
+    # engine's arms run again in reverse order; at 9da6cdd the later an arm ran in it,
+    # the faster it ran at one request). --bracket: the
     # first engine (no speculation) runs again last: in both step_breakdown_embedded runs
     # at 54f3c3a and 9c5cbbb the engine started first had the slower steps.
     timeout 1200 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
       --arms "${3:-nospec,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-batch,dspark-fixed}" --shared-engine \
-      --concurrency "${4:-1,16,64,256}" --repeats "${5:-3}" --bracket --out "$OUT/$stage.json" 2>&1 | quiet \
+      --concurrency "${4:-1,16,64,256}" --repeats "${5:-3}" ${6:+--$6} --bracket \
+      --out "$OUT/$stage.json" 2>&1 | quiet \
       | tee "$OUT/$stage.log" \
       | tail -30
     ;;
