@@ -157,15 +157,11 @@ def _worker_admission(worker) -> dict:
         "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
         "depth_changes": getattr(speculator, "depth_changes", 0),
         "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
-        "proposals_rested": _proposals_rested(getattr(speculator, "rest", None)),
+        "proposals_rested": getattr(getattr(speculator, "rest", None), "proposals_rested", 0),
         "fingerprint": getattr(speculator, "admission_fingerprint", 0),
         **_overhead(getattr(speculator, "step_overhead", None)),
         "proposals_at_depth": list(getattr(speculator, "proposals_at_depth", [])),
     }
-
-
-def _proposals_rested(rest) -> int:
-    return rest.proposals_rested if rest is not None else 0
 
 
 def _overhead(step_overhead) -> dict:

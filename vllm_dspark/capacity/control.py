@@ -684,9 +684,8 @@ class CapacityControl(DepthControl):
         if sps:
             # The next step's time beyond its forward: O + a R, its proposal, b per draft,
             # C if compacted.
-            overhead = self.step_overhead
-            fixed = overhead.per_step_seconds(num_reqs) + self._draft_seconds(num_reqs)
-            per_draft, compaction = overhead.per_draft_seconds, overhead.compaction_seconds
+            fixed, per_draft, compaction = self.step_overhead.verification_costs(num_reqs)
+            fixed += self._draft_seconds(num_reqs)
             sps_table = masked_forward_table(self.sps_table, num_reqs, self.masked_step_drafts)
         if use_triton(survival):
             stats = proposal_stats(

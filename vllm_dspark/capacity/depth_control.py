@@ -55,11 +55,7 @@ class DepthControl:
         requests, each verified draft ``doubt_s`` dearer than fitted (None: no curve)."""
         if self.sps_table_host is None:
             return None
-        fixed = per_draft = compaction = 0.0
-        overhead = self.step_overhead
-        if overhead.ready:
-            fixed, per_draft = overhead.per_step_seconds(num_reqs), overhead.per_draft_seconds
-            compaction = overhead.compaction_seconds
+        fixed, per_draft, compaction = self.step_overhead.verification_costs(num_reqs)
         if self.options.dynamic_depth:  # a shallower proposal costs less
             depths = range(1, self.num_speculative_steps + 1)
             draft = np.array([self._proposal_seconds(num_reqs, d) for d in depths])
@@ -119,10 +115,8 @@ class DepthControl:
         for num_reqs in sorted({len(s) for s in snapshots}):
             group = torch.stack([s for s in snapshots if len(s) == num_reqs]).double()
             fixed = per_draft = compaction = 0.0
-            overhead = self.step_overhead
-            if overhead is not None and overhead.ready:
-                fixed = overhead.per_step_seconds(num_reqs)
-                per_draft, compaction = overhead.per_draft_seconds, overhead.compaction_seconds
+            if self.step_overhead is not None:
+                fixed, per_draft, compaction = self.step_overhead.verification_costs(num_reqs)
             draft = torch.tensor([self._proposal_seconds(num_reqs, int(d)) for d in depths])
             table = masked_forward_table(self.sps_table_host, num_reqs, self.masked_step_drafts)
             rates = best_rates_by_depth(group, depths, table, fixed + draft, per_draft, compaction)

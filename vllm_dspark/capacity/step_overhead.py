@@ -178,6 +178,13 @@ class StepOverhead:
         """O + a R: the step's time outside the curve before any draft is verified."""
         return self.seconds + self.per_request_seconds * num_reqs
 
+    def verification_costs(self, num_reqs: int) -> tuple[float, float, float]:
+        """(O + a R, b, C) as fitted (or given) for a step of ``num_reqs`` requests: what
+        sps and the depth choices add to the curve's forward; zeros until the first fit."""
+        if not self.ready:
+            return 0.0, 0.0, 0.0
+        return self.per_step_seconds(num_reqs), self.per_draft_seconds, self.compaction_seconds
+
     def plain_step_seconds(self, num_reqs: int) -> float | None:
         """P + p R: a plain decode step's time outside the curve (None: not measured), at
         most O + a R + S + C, a speculative step's after a skipped proposal (compacted to
