@@ -18,12 +18,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from targets_summary import mean_tok_s
 
-def _cell(rows: list[dict], reference: float | None) -> str:
+
+def _cell(rows: list[dict], ratio: float | None) -> str:
     runs = " / ".join(f"{row['tok_s']:,.0f}" for row in rows)
-    notes = []
-    if reference:
-        notes.append(f"{statistics.fmean(row['tok_s'] for row in rows) / reference:.2f}x")
+    notes = [] if ratio is None else [f"{ratio:.2f}x"]
     acceptance = [row["acceptance_length"] for row in rows if row.get("acceptance_length")]
     if acceptance:
         notes.append(f"{statistics.fmean(acceptance):.2f}")
@@ -38,6 +38,7 @@ def sweep_table(rows: list[dict], over: str | None = None) -> str:
     by_arm: dict[str, dict[int, list[dict]]] = {}
     for row in rows:
         by_arm.setdefault(row["arm"], {}).setdefault(row["concurrency"], []).append(row)
+    means = mean_tok_s(rows)
     concurrencies = sorted({row["concurrency"] for row in rows})
     lines = [
         "| arm | " + " | ".join(map(str, concurrencies)) + " |",
@@ -46,10 +47,9 @@ def sweep_table(rows: list[dict], over: str | None = None) -> str:
     for arm, cells in by_arm.items():
         values = []
         for c in concurrencies:
-            reference = None
-            if over and arm != over and c in by_arm.get(over, {}):
-                reference = statistics.fmean(row["tok_s"] for row in by_arm[over][c])
-            values.append(_cell(cells[c], reference) if c in cells else "")
+            reference = means.get((over, c)) if over and arm != over else None
+            ratio = means[(arm, c)] / reference if reference and c in cells else None
+            values.append(_cell(cells[c], ratio) if c in cells else "")
         lines.append(f"| {arm} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 

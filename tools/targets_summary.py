@@ -84,10 +84,10 @@ def _setup(record: dict, setup: str) -> tuple[dict[tuple[str, int], float], dict
     :func:`cached_arms`."""
     rows = [row for row in record["rows"] if row.get("setup") == setup]
     run = next((run for run in record.get("runs", []) if run.get("setup") == setup), {})
-    return _tok_s(rows), run, cached_arms(rows)
+    return mean_tok_s(rows), run, cached_arms(rows)
 
 
-def _tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
+def mean_tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
     """An arm run more than once in one run (no speculation's engine first and again last,
     ``--bracket``; a mirrored engine's arms in both passes, ``--mirror``) counts at the mean
     of its runs: both designs put that mean at the middle of the run, where the other arms
@@ -232,8 +232,8 @@ def dflash(record: dict) -> dict:
     in its own engine where the run switched to it there) and no speculation, with both
     arms' repeats at 256 where recorded; the target passes if one arm meets all of it."""
     rows, pooled = pooled_rows(record)
-    first_run = _tok_s(record["rows"]) if pooled else None
-    tok_s, cached = _tok_s(rows), cached_arms(rows)
+    first_run = mean_tok_s(record["rows"]) if pooled else None
+    tok_s, cached = mean_tok_s(rows), cached_arms(rows)
     repeats = {(row["arm"], row["concurrency"]): row.get("tok_s_repeats") for row in rows}
     engines = {row["arm"]: row.get("engine") for row in rows}
     measured, verdicts = {}, []
@@ -435,7 +435,7 @@ def k1_step_under_load(record: dict) -> dict:
 def k3_under_load(record: dict) -> dict:
     """Stock DSpark k=3 or any of the plugin's cuts at k=3 (every arm of the record but no
     speculation) against no speculation, 256 requests."""
-    tok_s = _tok_s(record["rows"])
+    tok_s = mean_tok_s(record["rows"])
     ratios = {arm: value / tok_s["nospec", 256] for (arm, c), value in tok_s.items() if c == 256}
     del ratios["nospec"]
     return {
@@ -447,7 +447,7 @@ def k3_under_load(record: dict) -> dict:
 
 def no_cut_slower_at_one_request(record: dict) -> dict:
     """Each of the plugin's arms at k=3 against stock DSpark k=3, one request."""
-    tok_s = _tok_s(record["rows"])
+    tok_s = mean_tok_s(record["rows"])
     ratios = {
         arm: value / tok_s["dspark", 1]
         for (arm, c), value in tok_s.items()
