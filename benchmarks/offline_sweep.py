@@ -20,7 +20,11 @@ real verification (DSpark arms only), on windows of its held-out text (``--promp
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
 (:mod:`vllm_dspark.engine_control`); their rows name that engine. ``--mirror`` runs them
-again in reverse order, each row numbered by its ``pass``.
+again in reverse order, each row numbered by its ``pass``. ``--lockstep`` keeps every
+arm's engine alive at once, each with its share of the GPU, and takes their timed repeats
+in turn (repeat r of every arm, on the same prompts, before repeat r + 1 of any), so that
+a drift of the machine meets every arm alike; each row adds ``paired``, its median ratio
+to every other arm over repeats of the same index.
 After its timed repeats each concurrency runs the first repeat's first wave once more,
 untimed, and records it step by step (``timeline``: when every request had its first
 token, when half had finished, the last token; :func:`step_timeline`; with speculation,
@@ -207,6 +211,8 @@ ARMS = {
 # held 220 requests, and every K=7 arm drafted eagerly at 256 requests (the embedded pair's
 # step breakdown at bfbca4e: draft_cudagraph NONE), stock k=7 included.
 LARGE_CAPTURE_SIZES = (640, 768, 1024, 1280, 1536, 1792, 2048)
+# --lockstep: the share of the GPU that every engine together takes (each its part).
+LOCKSTEP_MEMORY = 0.85
 
 
 def capture_sizes(graphs_to: int) -> list[int]:
@@ -223,11 +229,13 @@ def engine_kwargs(
     tensor_parallel_size: int = 1,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 256,
+    gpu_memory_utilization: float = 0.85,
 ) -> dict:
     """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
     capture CUDA graphs up to that many tokens per step instead of vLLM's 512;
     ``max_num_batched_tokens``: vLLM's (default: its own, 16,384 offline on an H100/H200);
-    ``max_num_seqs``: the requests the engine runs at once (``--refill``: the concurrency)."""
+    ``max_num_seqs``: the requests the engine runs at once (``--refill``: the concurrency);
+    ``gpu_memory_utilization``: its share of the GPU (--lockstep: engines side by side)."""
     kwargs = dict(
         model=target,
         tensor_parallel_size=tensor_parallel_size,
@@ -236,7 +244,7 @@ def engine_kwargs(
         dtype="bfloat16",
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
-        gpu_memory_utilization=0.85,
+        gpu_memory_utilization=gpu_memory_utilization,
         seed=0,
         disable_log_stats=False,
         # Arms switched in one engine (--shared-engine) run the same prompts one after
@@ -322,68 +330,162 @@ def speculative_config(spec: dict) -> dict | None:
     return speculative | options
 
 
-def run_arm_here(spec: dict) -> None:
-    """In the arm's own process: one engine, every concurrency, one JSON line each."""
-    from vllm import LLM, SamplingParams
+class Engine:
+    """One arm's running engine (``LLM()``, greedy, EOS ignored) and what measuring it
+    needs: its prompts and its counters."""
 
-    from vllm_dspark.engine_control import switch_capacity, trace_steps
-    from vllm_dspark.metrics import (
-        ITERATION_TOKENS,
-        TIME_TO_FIRST_TOKEN,
-        AdmissionCounts,
-        SpecDecodeCounts,
-        admission_counts_per_rank,
-        gate_inputs,
-        histogram_totals,
-    )
+    def __init__(self, spec: dict):
+        from vllm import LLM, SamplingParams
 
-    speculative = speculative_config(spec)
-    if speculative is not None:
-        # admission_counts_per_rank() reads the speculators' counters in the workers.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    started = time.monotonic()  # not perf_counter: the tests' fake clock times batches
-    llm = LLM(
-        **engine_kwargs(
-            spec["target"],
-            spec["dummy"],
-            spec.get("graphs_to"),
-            spec.get("tensor_parallel_size", 1),
-            spec.get("max_num_batched_tokens"),
-            spec.get("max_num_seqs", 256),
-        ),
-        speculative_config=speculative,
-    )
-    engine_start_s = round(time.monotonic() - started, 1)
-    params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
-    warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        self.spec = spec
+        speculative = speculative_config(spec)
+        self.speculating = speculative is not None
+        if self.speculating:
+            # admission_counts_per_rank() reads the speculators' counters in the workers.
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        started = time.monotonic()  # not perf_counter: the tests' fake clock times batches
+        self.llm = LLM(
+            **engine_kwargs(
+                spec["target"],
+                spec["dummy"],
+                spec.get("graphs_to"),
+                spec.get("tensor_parallel_size", 1),
+                spec.get("max_num_batched_tokens"),
+                spec.get("max_num_seqs", 256),
+                spec.get("gpu_memory_utilization", 0.85),
+            ),
+            speculative_config=speculative,
+        )
+        self.engine_start_s = round(time.monotonic() - started, 1)
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True
+        )
+        self.warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        self.stream = heldout_stream() if spec["prompts"] == "heldout" else None
+        self.llm.generate(self.prompts(8, 0), self.params, use_tqdm=False)
+        # One unrecorded pass over every concurrency first, in every engine. In the dflash
+        # run at 851bbd0 the arms measured first in an engine (stock DFlash, and the first
+        # arm of the shared one) took 157-166 ms to a first token at 64 requests where the
+        # later arms of the shared engine took 65-74 ms; and capacity control fits its
+        # step costs while serving (step_overhead.py): that first arm, fitted at one
+        # request only, verified 3.2 drafts per request at 256 where later arms verified
+        # 2.0. (The prompts of the concurrency's own warm-up below, which no measured
+        # prompt shares.)
+        for concurrency in spec["concurrency"]:
+            self.llm.generate(
+                self.prompts(concurrency, 50_000 + concurrency), self.params, use_tqdm=False
+            )
 
-    stream = heldout_stream() if spec["prompts"] == "heldout" else None
+    def prompts(self, count: int, offset: int) -> list[dict]:
+        return sweep_prompts(count, offset, self.spec["prompt_len"], self.stream)
 
-    def prompts(count: int, offset: int):
-        return sweep_prompts(count, offset, spec["prompt_len"], stream)
-
-    llm.generate(prompts(8, 0), params, use_tqdm=False)
-    speculating = speculative is not None
-
-    def counters() -> tuple:
+    def counters(self) -> tuple:
         """(spec-decode counts, engine steps, first tokens, their seconds, admission counts
         per rank) so far."""
-        metrics = llm.get_metrics()
-        per_rank = admission_counts_per_rank(llm) if speculating else [AdmissionCounts()]
+        from vllm_dspark.metrics import (
+            ITERATION_TOKENS,
+            TIME_TO_FIRST_TOKEN,
+            AdmissionCounts,
+            SpecDecodeCounts,
+            admission_counts_per_rank,
+            histogram_totals,
+        )
+
+        metrics = self.llm.get_metrics()
+        per_rank = admission_counts_per_rank(self.llm) if self.speculating else [AdmissionCounts()]
         steps, _ = histogram_totals(metrics, ITERATION_TOKENS)
         firsts, first_seconds = histogram_totals(metrics, TIME_TO_FIRST_TOKEN)
         return SpecDecodeCounts.from_metrics(metrics), steps, firsts, first_seconds, per_rank
 
-    # One unrecorded pass over every concurrency first, in every engine. In the dflash
-    # run at 851bbd0 the arms measured first in an engine (stock DFlash, and the first arm
-    # of the shared one) took 157-166 ms to a first token at 64 requests where the later
-    # arms of the shared engine took 65-74 ms; and capacity control fits its step costs
-    # while serving (step_overhead.py): that first arm, fitted at one request only,
-    # verified 3.2 drafts per request at 256 where later arms verified 2.0. (The prompts
-    # of the concurrency's own warm-up below, which no measured prompt shares.)
-    for concurrency in spec["concurrency"]:
-        llm.generate(prompts(concurrency, 50_000 + concurrency), params, use_tqdm=False)
+    def per_wave(self, concurrency: int) -> tuple[int, int]:
+        """(requests a wave submits, waves a repeat runs). --refill: a wave submits refill x
+        concurrency requests to an engine that runs ``concurrency`` at once; waiting ones
+        join as others finish. Below min_requests, a repeat is several such waves one after
+        another: one 128-token request verifies too few drafts for its acceptance (and so
+        its throughput) to be more than noise."""
+        per_wave = concurrency * self.spec.get("refill", 1)
+        return per_wave, -(-self.spec["min_requests"] // per_wave)
 
+    def begin(self, concurrency: int) -> tuple:
+        """Before a concurrency's repeats: a short warm-up at that batch size (a batch size
+        not run before can compile kernels, Triton specialising on sizes, which the short
+        runs at low concurrency would otherwise count); returns the counters then."""
+        warm = self.prompts(concurrency, 50_000 + concurrency)
+        self.llm.generate(warm, self.warm_params, use_tqdm=False)
+        return self.counters()
+
+    def timed_repeat(self, concurrency: int, repeat: int) -> float:
+        """One timed repeat's output tokens per second, on fresh prompts."""
+        per_wave, waves = self.per_wave(concurrency)
+        tokens, seconds = 0, 0.0
+        for wave in range(waves):
+            # Offsets 7 apart: no prompt starts like an earlier one's (no cache).
+            offset = concurrency + 7 * (repeat * waves + wave)
+            batch = self.prompts(per_wave, offset)
+            seeded = seeded_params(self.spec["output_len"], per_wave, offset)
+            start = time.perf_counter()
+            outputs = self.llm.generate(batch, seeded, use_tqdm=False)
+            seconds += time.perf_counter() - start
+            tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
+        return round(tokens / seconds, 1)
+
+    def row(self, concurrency: int, tok_s: list[float], before: tuple) -> dict:
+        """A concurrency's row after its repeats (``tok_s``), counters since ``before``;
+        then the first repeat's first wave once more, untimed and outside the counters,
+        step by step: as the front end receives them and, with speculation, what capacity
+        control decided in each decode step."""
+        from vllm_dspark.engine_control import trace_steps
+        from vllm_dspark.metrics import gate_inputs
+
+        after = self.counters()
+        counts = after[0] - before[0]
+        steps, firsts, first_seconds = (a - b for a, b in zip(after[1:4], before[1:4], strict=True))
+        per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
+        admitted = per_rank[0]
+        per_wave, waves = self.per_wave(concurrency)
+        if self.speculating:
+            trace_steps(self.llm, True)
+        with step_timeline(self.llm) as timeline:
+            offset = concurrency  # repeat 0, wave 0
+            self.llm.generate(
+                self.prompts(per_wave, offset),
+                seeded_params(self.spec["output_len"], per_wave, offset),
+                use_tqdm=False,
+            )
+        decisions = trace_steps(self.llm, False) if self.speculating else None
+        row = {
+            "concurrency": concurrency,
+            "tok_s": statistics.median(tok_s),
+            "tok_s_repeats": tok_s,
+            "acceptance_length": counts.acceptance_length if counts.drafts else None,
+            # Prefill steps included: the tail of slow requests shows here, the prefill
+            # phase in the time to first token.
+            "engine_steps_per_batch": steps / (len(tok_s) * waves),
+            "mean_ttft_s": first_seconds / max(firsts, 1),
+            # Per request and step, compacted steps only (else all K).
+            "admitted_per_req": admitted.admitted_per_request if self.speculating else None,
+            "admission": asdict(admitted),
+            "spec_decode": asdict(counts),
+            "engine_start_s": self.engine_start_s,
+            "timeline": timeline_summary(timeline, per_wave),
+        }
+        if self.spec.get("refill"):
+            row["refill"] = self.spec["refill"]
+        if decisions:
+            row["timeline"]["decode_steps"] = decisions
+        if self.speculating and len(per_rank) > 1:
+            row["ranks_agree"] = all(counts == admitted for counts in per_rank)
+        gate = gate_inputs(self.llm) if self.speculating else {}
+        if gate:
+            row["gate"] = gate
+        return row
+
+
+def run_arm_here(spec: dict) -> None:
+    """In the arm's own process: one engine, every concurrency, one JSON line each."""
+    from vllm_dspark.engine_control import switch_capacity
+
+    engine = Engine(spec)
     # One arm, or (--shared-engine) several capacity arms switched in this engine; with
     # --mirror each twice, its rows numbered by pass.
     switch = spec.get("switch") or [[None, None]]
@@ -392,86 +494,40 @@ def run_arm_here(spec: dict) -> None:
     for name, updates in switch:
         passes[name] += 1
         if updates is not None:
-            switch_capacity(llm, **updates)
-            llm.generate(prompts(8, 1), params, use_tqdm=False)
+            switch_capacity(engine.llm, **updates)
+            engine.llm.generate(engine.prompts(8, 1), engine.params, use_tqdm=False)
         for concurrency in spec["concurrency"]:
             measuring = time.monotonic()
-            # A short warm-up at this batch size first: a batch size not run before can
-            # compile kernels (Triton specialises on sizes), which the short runs at low
-            # concurrency would otherwise count.
-            llm.generate(prompts(concurrency, 50_000 + concurrency), warm_params, use_tqdm=False)
-            before = counters()
-            tok_s = []
-            # --refill: a wave submits refill x concurrency requests to an engine that runs
-            # ``concurrency`` at once; waiting ones join as others finish.
-            per_wave = concurrency * spec.get("refill", 1)
-            # Below min_requests, a repeat is several such waves one after another: one
-            # 128-token request verifies too few drafts for its acceptance (and so its
-            # throughput) to be more than noise.
-            waves = -(-spec["min_requests"] // per_wave)
-            for repeat in range(spec["repeats"]):
-                tokens, seconds = 0, 0.0
-                for wave in range(waves):
-                    # Offsets 7 apart: no prompt starts like an earlier one's (no cache).
-                    offset = concurrency + 7 * (repeat * waves + wave)
-                    batch = prompts(per_wave, offset)
-                    seeded = seeded_params(spec["output_len"], per_wave, offset)
-                    start = time.perf_counter()
-                    outputs = llm.generate(batch, seeded, use_tqdm=False)
-                    seconds += time.perf_counter() - start
-                    tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
-                tok_s.append(round(tokens / seconds, 1))
-            # Counters over every repeat; throughput the median repeat's.
-            after = counters()
-            counts = after[0] - before[0]
-            steps, firsts, first_seconds = (
-                a - b for a, b in zip(after[1:4], before[1:4], strict=True)
-            )
-            per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
-            admitted = per_rank[0]
-            # The first repeat's first wave once more (its prompts and seeds), untimed and
-            # outside the counters, step by step: as the front end receives them and, with
-            # speculation, what capacity control decided in each decode step.
-            if speculating:
-                trace_steps(llm, True)
-            with step_timeline(llm) as timeline:
-                offset = concurrency  # repeat 0, wave 0
-                llm.generate(
-                    prompts(per_wave, offset),
-                    seeded_params(spec["output_len"], per_wave, offset),
-                    use_tqdm=False,
-                )
-            decisions = trace_steps(llm, False) if speculating else None
-            batches = spec["repeats"] * waves
-            row = {
-                "concurrency": concurrency,
-                "tok_s": statistics.median(tok_s),
-                "tok_s_repeats": tok_s,
-                "acceptance_length": counts.acceptance_length if counts.drafts else None,
-                # Prefill steps included: the tail of slow requests shows here, the prefill
-                # phase in the time to first token.
-                "engine_steps_per_batch": steps / batches,
-                "mean_ttft_s": first_seconds / max(firsts, 1),
-                # Per request and step, compacted steps only (else all K).
-                "admitted_per_req": admitted.admitted_per_request if speculating else None,
-                "admission": asdict(admitted),
-                "spec_decode": asdict(counts),
-                "engine_start_s": engine_start_s,
-                "wall_s": round(time.monotonic() - measuring, 1),
-                "timeline": timeline_summary(timeline, per_wave),
-            }
-            if spec.get("refill"):
-                row["refill"] = spec["refill"]
-            if decisions:
-                row["timeline"]["decode_steps"] = decisions
-            if speculating and len(per_rank) > 1:
-                row["ranks_agree"] = all(counts == admitted for counts in per_rank)
-            gate = gate_inputs(llm) if speculating else {}
-            if gate:
-                row["gate"] = gate
+            before = engine.begin(concurrency)
+            tok_s = [engine.timed_repeat(concurrency, r) for r in range(spec["repeats"])]
+            row = engine.row(concurrency, tok_s, before)
+            row["wall_s"] = round(time.monotonic() - measuring, 1)
             if mirrored:
                 row["pass"] = passes[name]
             print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
+
+
+def run_lockstep_here(spec: dict) -> None:
+    """In the arm's own process, beside the other arms' (--lockstep): the engine starts,
+    says READY, then measures what the sweep's driver asks on stdin, one JSON command a
+    line: {"do": "begin" | "time" | "row", "concurrency": c, "repeat": r}, answering each
+    on a line of its own (OK, TIMED tok/s, ROW {...}). EOF ends it."""
+    engine = Engine(spec)
+    print("READY", flush=True)
+    measured: dict[int, tuple[tuple, list[float]]] = {}
+    for line in sys.stdin:
+        command = json.loads(line)
+        concurrency = command["concurrency"]
+        if command["do"] == "begin":
+            measured[concurrency] = (engine.begin(concurrency), [])
+            print("OK", flush=True)
+        elif command["do"] == "time":
+            tok_s = engine.timed_repeat(concurrency, command["repeat"])
+            measured[concurrency][1].append(tok_s)
+            print(f"TIMED {tok_s}", flush=True)
+        else:
+            before, tok_s = measured.pop(concurrency)
+            print("ROW " + json.dumps(engine.row(concurrency, tok_s, before)), flush=True)
 
 
 @contextmanager
@@ -674,12 +730,26 @@ def main() -> int:
         "two passes (pass 1 / 2) average out a drift over the engine's life (at 9da6cdd, "
         "one request, the embedded pair's arms ran faster the later they came)",
     )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every arm's engine alive at once (each with its share of the GPU), their "
+        "timed repeats taken in turn: repeat r of every arm before repeat r + 1 of any, "
+        "on the same prompts, so that the machine's drift meets every arm alike; an arm "
+        "named twice runs in two engines (the noise floor)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
     if args.arm_spec:
-        run_arm_here(json.loads(args.arm_spec))
+        spec = json.loads(args.arm_spec)
+        (run_lockstep_here if spec.get("lockstep") else run_arm_here)(spec)
         return 0
+    if args.lockstep and (args.shared_engine or args.mirror or args.bracket):
+        parser.error(
+            "--lockstep: every arm has an engine of its own, all measured in turn "
+            "(no --shared-engine, --mirror or --bracket)"
+        )
 
     check_num_drafts(parser, args)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -703,7 +773,8 @@ def main() -> int:
     # Asked once, before any engine: not from the middle of the first engine's rows, which
     # this process now records as they come.
     device_name()
-    rows, failed = [], {}
+    rows, failed, engines = [], {}, []
+    copies: collections.Counter = collections.Counter()
     for position, (label, options, switch) in enumerate(runs):
         bracket = {}
         if args.bracket and position in (0, len(runs) - 1):
@@ -731,6 +802,15 @@ def main() -> int:
         if args.refill:
             spec |= {"refill": args.refill, "max_num_seqs": concurrencies[0]}
         context = {"setup": setup, "arm": label, **({"engine": label} if switch else {}), **bracket}
+        if args.lockstep:
+            # An arm named twice runs twice, side by side: how far two engines of one arm
+            # differ is the noise floor of the others' differences.
+            copies[label] += 1
+            if copies[label] > 1:
+                context["copy"] = copies[label]
+            spec["gpu_memory_utilization"] = round(LOCKSTEP_MEMORY / len(runs), 3)
+            engines.append((context, spec))
+            continue
         keep = functools.partial(keep_row, rows, failed, args.out, context)
         returncode, errors = run_engine(spec, args.out, keep)
         if returncode != 0:
@@ -738,6 +818,8 @@ def main() -> int:
             print(errors, file=sys.stderr)
             failed[label] = failure_line(errors, returncode)
             write_record(args.out, rows, failed)
+    if engines:
+        run_lockstep(engines, concurrencies, args.repeats, args.out, rows, failed)
     return 1 if failed else 0
 
 
@@ -761,6 +843,114 @@ def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
                     keep(json.loads(line[4:]))
         errors.seek(0)
         return engine.returncode, failure_excerpt(errors.read())
+
+
+class LockstepEngine:
+    """The driver's end of a run_lockstep_here process."""
+
+    def __init__(self, context: dict, spec: dict, out: Path, errors):
+        self.context, self.errors = context, errors
+        self.label = context["arm"] + (f"#{context['copy']}" if "copy" in context else "")
+        command = [sys.executable, __file__, "--out", str(out)]
+        command += ["--arm-spec", json.dumps(spec | {"lockstep": True})]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+        )
+
+    def reply(self, expected: str) -> str | None:
+        """The rest of the engine's next line that starts with ``expected`` (vLLM logs to
+        stdout too); None if the engine exited first."""
+        for line in self.process.stdout:
+            if line.startswith(expected):
+                return line[len(expected) :].strip()
+        return None
+
+    def ask(self, expected: str, **command) -> str | None:
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return None
+        return self.reply(expected)
+
+    def failure(self) -> str:
+        """The error line of an engine that exited (after printing its excerpt)."""
+        self.process.stdin.close()
+        returncode = self.process.wait()
+        self.errors.seek(0)
+        excerpt = failure_excerpt(self.errors.read())
+        print(excerpt, file=sys.stderr)
+        return failure_line(excerpt, returncode)
+
+
+def run_lockstep(
+    engines: list[tuple[dict, dict]],
+    concurrencies: list[int],
+    repeats: int,
+    out: Path,
+    rows: list[dict],
+    failed: dict[str, str],
+) -> None:
+    """--lockstep: each (context, spec) in a process of its own, started one after
+    another (each engine profiles its memory alone) and all kept alive; then, per
+    concurrency, every engine's repeat r before any engine's repeat r + 1 (in order on
+    even repeats, in reverse on odd ones). Each row adds ``paired``: against every other
+    engine, the median ratio of their repeats of the same index (the same prompts, run
+    back to back)."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        running = []
+        for context, spec in engines:
+            errors = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+            engine = LockstepEngine(context, spec, out, errors)
+            stack.enter_context(engine.process)
+            running.append(engine)
+            if engine.reply("READY") is None:
+                lost(engine, running, rows, failed, out)
+
+        def ask_all(order: list[LockstepEngine], expected: str, **command) -> dict[str, str]:
+            replies = {}
+            for engine in order:
+                reply = engine.ask(expected, **command)
+                if reply is None:
+                    lost(engine, running, rows, failed, out)
+                else:
+                    replies[engine.label] = reply
+            return replies
+
+        for concurrency in concurrencies:
+            ask_all(list(running), "OK", do="begin", concurrency=concurrency)
+            for repeat in range(repeats):
+                order = running if repeat % 2 == 0 else running[::-1]
+                ask_all(list(order), "TIMED ", do="time", concurrency=concurrency, repeat=repeat)
+            measured = ask_all(list(running), "ROW ", do="row", concurrency=concurrency)
+            measured = {label: json.loads(row) for label, row in measured.items()}
+            for engine in running:
+                row = measured.get(engine.label)
+                if row is None:
+                    continue
+                row["paired"] = {
+                    other: round(paired_ratio(row["tok_s_repeats"], theirs["tok_s_repeats"]), 4)
+                    for other, theirs in measured.items()
+                    if other != engine.label
+                }
+                order = [e.label for e in running]
+                keep_row(rows, failed, out, engine.context | {"lockstep": order}, row)
+        for engine in running:
+            engine.process.stdin.close()
+
+
+def lost(engine: LockstepEngine, running: list, rows: list, failed: dict, out: Path) -> None:
+    """An engine that exited: out of the rotation, its error on the record."""
+    running.remove(engine)
+    failed[engine.label] = engine.failure()
+    write_record(out, rows, failed)
+
+
+def paired_ratio(mine: list[float], theirs: list[float]) -> float:
+    """The median of the ratios of repeats of the same index."""
+    return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
 
 
 def failure_line(excerpt: str, returncode: int) -> str:

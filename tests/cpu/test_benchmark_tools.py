@@ -406,6 +406,105 @@ def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_pa
     assert returncode == 3 and errors.endswith("the end") and len(errors) == 3000
 
 
+LOCKSTEP_ENGINE = """
+import json, os, statistics, sys
+spec = json.loads(sys.argv[sys.argv.index("--arm-spec") + 1])
+options = spec["options"]
+speed = 100.0 if options is None else 150.0
+print("INFO a log line on stdout", flush=True)
+print("READY", flush=True)
+repeats = []
+for line in sys.stdin:
+    command = json.loads(line)
+    c = command["concurrency"]
+    with open(os.environ["LOCKSTEP_LOG"], "a") as log:
+        log.write(json.dumps([os.getpid(), command["do"], c, spec["gpu_memory_utilization"]]))
+        log.write("\\n")
+    if command["do"] == "begin":
+        repeats = []
+        print("OK", flush=True)
+    elif command["do"] == "time":
+        if options and options.get("dspark_capacity") and c == 16:
+            sys.exit("RuntimeError: lost the GPU")
+        repeats.append(speed * (1 + command["repeat"]))  # every arm alike, repeat by repeat
+        print(f"TIMED {repeats[-1]}", flush=True)
+    else:
+        row = {"concurrency": c, "tok_s": statistics.median(repeats), "tok_s_repeats": repeats}
+        print("ROW " + json.dumps(row), flush=True)
+"""
+
+
+def test_lockstep_takes_every_engines_repeats_in_turn(monkeypatch, tmp_path):
+    """--lockstep: engines alive at once, each with its share of the GPU; per concurrency
+    repeat r of every engine before repeat r + 1 of any, forward then backward; rows
+    carry their median ratio to every other engine over repeats of the same index; an arm
+    named twice runs in two engines; an engine that dies leaves the rotation, the others
+    go on."""
+    import offline_sweep
+
+    engine = tmp_path / "engine.py"
+    engine.write_text(LOCKSTEP_ENGINE)
+    monkeypatch.setattr(offline_sweep, "__file__", str(engine))
+    log = tmp_path / "log"
+    monkeypatch.setenv("LOCKSTEP_LOG", str(log))
+    written = []
+    monkeypatch.setattr(
+        offline_sweep, "write_record", lambda path, rows, failed: written.append((rows, failed))
+    )
+    argv = ["offline_sweep.py", "--pair", "tiny", "--arms", "nospec,dspark,dspark,sps"]
+    argv += ["--lockstep", "--concurrency", "1,16", "--repeats", "3", "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert offline_sweep.main() == 1
+    rows, failed = written[-1]
+    assert list(failed) == ["sps"] and "lost the GPU" in failed["sps"]
+    commands = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {share for *_, share in commands} == {round(0.85 / 4, 3)}
+    engines = list(dict.fromkeys(pid for pid, *_ in commands))  # in the order they began
+    timed = [engines.index(pid) for pid, do, c, _ in commands if do == "time" and c == 1]
+    assert timed == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3]
+    timed = [engines.index(pid) for pid, do, c, _ in commands if do == "time" and c == 16]
+    assert timed[:3] == [0, 1, 2] and timed.count(3) == 1  # sps died on its first
+    assert [(row["arm"], row.get("copy"), row["concurrency"]) for row in rows] == [
+        ("nospec", None, 1),
+        ("dspark", None, 1),
+        ("dspark", 2, 1),
+        ("sps", None, 1),
+        ("nospec", None, 16),
+        ("dspark", None, 16),
+        ("dspark", 2, 16),
+    ]
+    assert rows[1]["paired"] == {"nospec": 1.5, "dspark#2": 1.0, "sps": 1.0}
+    assert rows[4]["paired"] == {"dspark": 0.6667, "dspark#2": 0.6667}
+    assert rows[4]["lockstep"] == ["nospec", "dspark", "dspark#2"]
+
+
+def test_a_lockstep_engine_measures_the_prompts_a_sweep_engine_does(
+    fake_llm, timed_arm, monkeypatch, capsys
+):
+    """run_lockstep_here answers the driver's commands with the measurements run_arm_here
+    takes: the same warm-ups, the same prompts per repeat, the same row."""
+    import io
+
+    import offline_sweep
+
+    spec = {"dummy": True, "prompt_len": 8, "min_requests": 1, "prompts": "arithmetic"}
+    timed_arm(**spec)
+    alone = list(fake_llm.batches)
+    sweep_row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
+    fake_llm.batches.clear()
+    commands = [{"do": "begin"}, {"do": "time", "repeat": 0}, {"do": "time", "repeat": 1}]
+    commands.append({"do": "row"})
+    lines = "".join(json.dumps(c | {"concurrency": 2}) + "\n" for c in commands)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    timed_arm(**spec, lockstep=True, run=offline_sweep.run_lockstep_here)
+    replies = capsys.readouterr().out.splitlines()
+    assert replies[:4] == ["READY", "OK", "TIMED 20.0", "TIMED 20.0"]
+    row = json.loads(replies[4].removeprefix("ROW "))
+    assert fake_llm.batches == alone
+    assert row["tok_s_repeats"] == sweep_row["tok_s_repeats"] == [20.0, 20.0]
+    assert row.keys() == sweep_row.keys() - {"wall_s"}
+
+
 def test_offline_sweep_runs_engines_in_the_order_of_their_first_arm(
     fake_engines, monkeypatch, tmp_path
 ):
@@ -525,7 +624,11 @@ def timed_arm(monkeypatch):
         "repeats": 2,
         "switch": None,
     }
-    return lambda **overrides: offline_sweep.run_arm_here(spec | overrides)
+
+    def run(run=offline_sweep.run_arm_here, **overrides):
+        run(spec | overrides)
+
+    return run
 
 
 def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
