@@ -211,8 +211,9 @@ ARMS = {
 # held 220 requests, and every K=7 arm drafted eagerly at 256 requests (the embedded pair's
 # step breakdown at bfbca4e: draft_cudagraph NONE), stock k=7 included.
 LARGE_CAPTURE_SIZES = (640, 768, 1024, 1280, 1536, 1792, 2048)
-# --lockstep: the share of the GPU that every engine together takes (each its part).
-LOCKSTEP_MEMORY = 0.85
+# --lockstep: the share of the GPU all engines together take, each an equal part (each
+# process also holds a CUDA context outside its share).
+LOCKSTEP_MEMORY = 0.8
 
 
 def capture_sizes(graphs_to: int) -> list[int]:

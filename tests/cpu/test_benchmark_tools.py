@@ -458,7 +458,7 @@ def test_lockstep_takes_every_engines_repeats_in_turn(monkeypatch, tmp_path):
     rows, failed = written[-1]
     assert list(failed) == ["sps"] and "lost the GPU" in failed["sps"]
     commands = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {share for *_, share in commands} == {round(0.85 / 4, 3)}
+    assert {share for *_, share in commands} == {round(0.8 / 4, 3)}
     engines = list(dict.fromkeys(pid for pid, *_ in commands))  # in the order they began
     timed = [engines.index(pid) for pid, do, c, _ in commands if do == "time" and c == 1]
     assert timed == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3]
