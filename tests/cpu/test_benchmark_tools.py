@@ -481,14 +481,15 @@ def test_lockstep_takes_every_engines_repeats_in_turn(monkeypatch, tmp_path):
 def test_a_lockstep_engine_measures_the_prompts_a_sweep_engine_does(
     fake_llm, timed_arm, monkeypatch, capsys
 ):
-    """run_lockstep_here answers the driver's commands with the measurements run_arm_here
-    takes: the same warm-ups, the same prompts per repeat, the same row."""
+    """An engine process started for --lockstep (run_lockstep_here) answers the driver's
+    commands with the measurements run_arm_here takes: the same warm-ups, the same prompts
+    per repeat, the same row."""
     import io
 
     import offline_sweep
 
     spec = {"dummy": True, "prompt_len": 8, "min_requests": 1, "prompts": "arithmetic"}
-    timed_arm(**spec)
+    timed_arm(**spec)  # on a fake clock: each wave 1 s
     alone = list(fake_llm.batches)
     sweep_row = json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
     fake_llm.batches.clear()
@@ -496,7 +497,10 @@ def test_a_lockstep_engine_measures_the_prompts_a_sweep_engine_does(
     commands.append({"do": "row"})
     lines = "".join(json.dumps(c | {"concurrency": 2}) + "\n" for c in commands)
     monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
-    timed_arm(**spec, lockstep=True, run=offline_sweep.run_lockstep_here)
+    spec |= {"options": None, "target": "t", "output_len": 10, "concurrency": [2], "repeats": 2}
+    argv = ["offline_sweep.py", "--out", "o", "--arm-spec", json.dumps(spec | {"lockstep": True})]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert offline_sweep.main() == 0
     replies = capsys.readouterr().out.splitlines()
     assert replies[:4] == ["READY", "OK", "TIMED 20.0", "TIMED 20.0"]
     row = json.loads(replies[4].removeprefix("ROW "))
@@ -625,10 +629,7 @@ def timed_arm(monkeypatch):
         "switch": None,
     }
 
-    def run(run=offline_sweep.run_arm_here, **overrides):
-        run(spec | overrides)
-
-    return run
+    return lambda **overrides: offline_sweep.run_arm_here(spec | overrides)
 
 
 def test_offline_sweep_runs_waves_of_held_out_windows_below_min_requests(
