@@ -387,9 +387,11 @@ def embedded_pair(record: dict) -> dict:
             }
             for c in concurrencies
         }
+    floor = noise_floor([row for row in record["rows"] if row.get("setup") == EMBEDDED_SETUP])
     return {
         "target": "setup (a): a capacity arm >= the best fixed-k arm and >= no speculation at "
         "every concurrency",
+        **({"noise_floor": floor} if floor else {}),
         "passes": _some(
             [
                 _verdict(
@@ -404,6 +406,17 @@ def embedded_pair(record: dict) -> dict:
         "measured": measured,
         "prefill_cached_arms": sorted(cached),
         "evidence": run,
+    }
+
+
+def noise_floor(rows: list[dict]) -> dict[str, float]:
+    """offline_sweep --lockstep with an arm named twice: per concurrency, its second
+    engine's paired ratio to its first, what two engines of one arm differ by (empty
+    without such rows)."""
+    return {
+        str(row["concurrency"]): row["paired"][row["arm"]]
+        for row in rows
+        if row.get("copy") == 2 and row["arm"] in row.get("paired", {})
     }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
 
-from targets_summary import summarize  # noqa: E402
+from targets_summary import embedded_pair, summarize  # noqa: E402
 
 RECORD = {"commit": "abc", "date": "d", "device": "H200"}
 
@@ -339,3 +339,17 @@ def test_setup_a_counts_the_plugins_fixed_k7_and_an_arm_run_twice_at_its_mean(tm
     assert embedded["passes"] is False
     assert embedded["measured"]["sps-plain"]["1"]["over_fixed"] == 110.0 / 120.0
     assert embedded["measured"]["sps-plain"]["16"]["over_fixed"] == 1.1  # stock k=7 there
+
+
+def test_setup_a_reports_the_noise_floor_of_an_arm_run_in_two_engines():
+    """--lockstep with stock k=7 named twice: both engines count at their mean, and the
+    second's paired ratio to the first is the noise floor."""
+    rows = sweep_rows("embedded", {("nospec", 1): 50.0, ("dspark", 1): 100.0, ("sps", 1): 104.0})
+    rows += [
+        {"setup": "embedded", "arm": "dspark", "copy": 2, "concurrency": 1, "tok_s": 96.0}
+        | {"paired": {"dspark": 0.97, "nospec": 1.9, "sps": 0.93}}
+    ]
+    embedded = embedded_pair({"runs": [{"setup": "embedded"}], "rows": rows})
+    assert embedded["noise_floor"] == {"1": 0.97}
+    assert embedded["measured"]["sps"]["1"]["over_fixed"] == 104.0 / 98.0
+    assert embedded["passes"]
