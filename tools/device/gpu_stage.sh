@@ -75,10 +75,12 @@
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
 #   capacity-lockstep
 #            the embedded pair's arms in engines alive at once, their timed repeats taken
-#            in turn (offline_sweep --lockstep): capacity-embedded's arms, stock k=7
-#            twice (two engines of one arm: the noise floor), no dspark-fixed (alone, its
-#            engine is stock k=7's); ~16 min by estimate (ten engine starts); third to
-#            fifth arguments: arms, concurrencies, repeats (9)
+#            in turn (offline_sweep --lockstep): no speculation, stock k=7 twice (two
+#            engines of one arm: the noise floor), Dynamic SD, budget, threshold, sps, sps
+#            with plain steps (no dspark-fixed: alone, its engine is stock k=7's; sps-depth
+#            and sps-batch left out for time); ~16 min by estimate (eight engine starts of
+#            60-130 s, then ~4 min of repeats); third to fifth arguments: arms,
+#            concurrencies, repeats (9)
 #   sanitizer  compute-sanitizer memcheck over a short run of the embedded pair with every
 #            capacity option (tests/gpu/test_sanitizer_gpu.py; skipped without the tool)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -323,7 +325,7 @@ case "$stage" in
     # speculating arm made the same decisions: only arms measured in the same seconds
     # compare. 8 requests a repeat at one request (1 s).
     timeout 1500 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
-      --arms "${3:-nospec,dspark,dspark,dynamic-sd,budget,threshold,sps,sps-depth,sps-plain,sps-batch}" \
+      --arms "${3:-nospec,dspark,dspark,dynamic-sd,budget,threshold,sps,sps-plain}" \
       --lockstep --concurrency "${4:-1,16,64,256}" --repeats "${5:-9}" --min-requests 8 \
       --out "$OUT/$stage.json" 2>&1 | quiet \
       | tee "$OUT/$stage.log" \
