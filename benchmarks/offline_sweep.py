@@ -58,7 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -898,9 +898,7 @@ def run_lockstep(
     even repeats, in reverse on odd ones). Each row adds ``paired``: against every other
     engine, the median ratio of their repeats of the same index (the same prompts, run
     back to back)."""
-    import contextlib
-
-    with contextlib.ExitStack() as stack:
+    with ExitStack() as stack:
         running = []
         for context, spec in engines:
             errors = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
@@ -925,18 +923,16 @@ def run_lockstep(
             for repeat in range(repeats):
                 order = running if repeat % 2 == 0 else running[::-1]
                 ask_all(list(order), "TIMED ", do="time", concurrency=concurrency, repeat=repeat)
-            measured = ask_all(list(running), "ROW ", do="row", concurrency=concurrency)
-            measured = {label: json.loads(row) for label, row in measured.items()}
+            replies = ask_all(list(running), "ROW ", do="row", concurrency=concurrency)
+            measured = {label: json.loads(row) for label, row in replies.items()}
+            order = [engine.label for engine in running]  # those still running: each replied
             for engine in running:
-                row = measured.get(engine.label)
-                if row is None:
-                    continue
+                row = measured[engine.label]
                 row["paired"] = {
                     other: round(paired_ratio(row["tok_s_repeats"], theirs["tok_s_repeats"]), 4)
                     for other, theirs in measured.items()
                     if other != engine.label
                 }
-                order = [e.label for e in running]
                 keep_row(rows, failed, out, engine.context | {"lockstep": order}, row)
         for engine in running:
             engine.process.stdin.close()
