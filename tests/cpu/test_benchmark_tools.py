@@ -287,6 +287,8 @@ def test_a_batch_timeline_shows_its_prefill_phase_and_its_tail(monkeypatch):
     assert summary["first_tokens_ms"] == pytest.approx(20.0)
     assert summary["half_finished_ms"] == pytest.approx(30.0)
     assert summary["last_token_ms"] == pytest.approx(80.0)
+    # After the last first token (20 ms), steps of 10, 20 and 30 ms.
+    assert summary["decode_step_ms"] == pytest.approx(20.0)
 
 
 class FakeEngine:
