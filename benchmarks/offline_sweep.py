@@ -567,7 +567,7 @@ def timeline_summary(steps: list[list[float]], requests: int) -> dict:
     """Where one batch's time went (:func:`step_timeline`): until every request had its
     first token (the prefill phase), until half of them had finished, and to the last
     token; the median time of a step after that (the host's pace: at 78ed08b one arm's
-    traced steps took 2.82 ms in one pass and 4.14 in the next); the steps themselves too.
+    traced steps took 2.82 ms in one pass and 4.13 in the next); the steps themselves too.
     A batch lasts as long as its slowest request: the time past half finished is the tail
     that speculation's uneven progress adds."""
     firsts = finished = 0
