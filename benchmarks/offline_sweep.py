@@ -942,6 +942,8 @@ def run_lockstep(
                     if other != engine.label
                 }
                 keep_row(rows, failed, out, engine.context | {"lockstep": order}, row)
+        # Every engine told to end at once: each Popen's exit closes its stdin and waits,
+        # one engine's shutdown after another's.
         for engine in running:
             engine.process.stdin.close()
 

@@ -6,8 +6,9 @@
 One row per arm, in the record's order, one column per concurrency. A cell: tokens per
 second, then (over the ``--over`` arm, acceptance length, drafts verified per request)
 where known. An arm run more than once (no speculation first and last, ``--bracket``; a
-mirrored engine's two passes, ``--mirror``) shows each run, "first / last", and its ratios
-use the mean, as ``tools/targets_summary.py`` counts it.
+mirrored engine's two passes, ``--mirror``; two engines of one arm, ``--lockstep``) shows
+each run, "first / last", and its ratios use the mean, as ``tools/targets_summary.py``
+counts it.
 """
 
 from __future__ import annotations

@@ -89,9 +89,10 @@ def _setup(record: dict, setup: str) -> tuple[dict[tuple[str, int], float], dict
 
 def mean_tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
     """An arm run more than once in one run (no speculation's engine first and again last,
-    ``--bracket``; a mirrored engine's arms in both passes, ``--mirror``) counts at the mean
-    of its runs: both designs put that mean at the middle of the run, where the other arms
-    ran."""
+    ``--bracket``; a mirrored engine's arms in both passes, ``--mirror``; an arm in two
+    engines side by side, ``--lockstep``) counts at the mean of its runs: the first two
+    designs put that mean at the middle of the run, where the other arms ran; the last
+    measured both alongside every other arm."""
     runs: dict[tuple[str, int], list[float]] = {}
     for row in rows:
         runs.setdefault((row["arm"], row["concurrency"]), []).append(row["tok_s"])
