@@ -906,6 +906,7 @@ def run_lockstep(
     even repeats, in reverse on odd ones). Each row adds ``paired``: against every other
     engine, the median ratio of their repeats of the same index (the same prompts, run
     back to back)."""
+    start = time.monotonic()
     with ExitStack() as stack:
         running = []
         for context, spec in engines:
@@ -915,6 +916,11 @@ def run_lockstep(
             running.append(engine)
             if engine.reply("READY") is None:
                 lost(engine, running, rows, failed, out)
+            else:  # the device log's only sign of progress until the first rows
+                print(
+                    f"lockstep: {engine.label} ready at {time.monotonic() - start:.0f} s",
+                    flush=True,
+                )
 
         def ask_all(order: list[LockstepEngine], expected: str, **command) -> dict[str, str]:
             replies = {}
@@ -927,6 +933,7 @@ def run_lockstep(
             return replies
 
         for concurrency in concurrencies:
+            print(f"lockstep: {concurrency} at {time.monotonic() - start:.0f} s", flush=True)
             ask_all(list(running), "OK", do="begin", concurrency=concurrency)
             for repeat in range(repeats):
                 order = running if repeat % 2 == 0 else running[::-1]
