@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -213,7 +214,9 @@ ARMS = {
 # step breakdown at bfbca4e: draft_cudagraph NONE), stock k=7 included.
 LARGE_CAPTURE_SIZES = (640, 768, 1024, 1280, 1536, 1792, 2048)
 # --lockstep: the share of the GPU all engines together take, each an equal part (each
-# process also holds a CUDA context outside its share).
+# process also holds a CUDA context outside its share), which vLLM checks is free at
+# start-up; each engine's KV cache is fixed (--lockstep-kv-cache-gib) instead, since its
+# memory profiling would count the allocations of the engines starting beside it.
 LOCKSTEP_MEMORY = 0.8
 
 
@@ -232,12 +235,14 @@ def engine_kwargs(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 256,
     gpu_memory_utilization: float = 0.85,
+    kv_cache_memory_bytes: int | None = None,
 ) -> dict:
     """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
     capture CUDA graphs up to that many tokens per step instead of vLLM's 512;
     ``max_num_batched_tokens``: vLLM's (default: its own, 16,384 offline on an H100/H200);
     ``max_num_seqs``: the requests the engine runs at once (``--refill``: the concurrency);
-    ``gpu_memory_utilization``: its share of the GPU (--lockstep: engines side by side)."""
+    ``gpu_memory_utilization``: its share of the GPU and ``kv_cache_memory_bytes``: a fixed
+    KV cache (--lockstep: engines side by side)."""
     kwargs = dict(
         model=target,
         tensor_parallel_size=tensor_parallel_size,
@@ -247,6 +252,7 @@ def engine_kwargs(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
         gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         seed=0,
         disable_log_stats=False,
         # Arms switched in one engine (--shared-engine) run the same prompts one after
@@ -355,6 +361,7 @@ class Engine:
                 spec.get("max_num_batched_tokens"),
                 spec.get("max_num_seqs", 256),
                 spec.get("gpu_memory_utilization", 0.85),
+                spec.get("kv_cache_memory_bytes"),
             ),
             speculative_config=speculative,
         )
@@ -747,6 +754,13 @@ def main() -> int:
         "on the same prompts, so that the machine's drift meets every arm alike; an arm "
         "named twice runs in two engines (the noise floor)",
     )
+    parser.add_argument(
+        "--lockstep-kv-cache-gib",
+        type=float,
+        default=2.0,
+        help="--lockstep: each engine's KV cache, fixed, since the engines start at once "
+        "(the embedded pair keeps 4 KiB a token: 2 GiB hold 512k)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -818,6 +832,7 @@ def main() -> int:
             if copies[label] > 1:
                 context["copy"] = copies[label]
             spec["gpu_memory_utilization"] = round(LOCKSTEP_MEMORY / len(runs), 3)
+            spec["kv_cache_memory_bytes"] = int(args.lockstep_kv_cache_gib * (1 << 30))
             engines.append((context, spec))
             continue
         keep = functools.partial(keep_row, rows, failed, args.out, context)
@@ -857,13 +872,24 @@ def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
 class LockstepEngine:
     """The driver's end of a run_lockstep_here process."""
 
-    def __init__(self, context: dict, spec: dict, out: Path, errors):
+    def __init__(self, context: dict, spec: dict, out: Path, errors, caches: Path):
         self.context, self.errors = context, errors
         self.label = context["arm"] + (f"#{context['copy']}" if "copy" in context else "")
         command = [sys.executable, __file__, "--out", str(out)]
         command += ["--arm-spec", json.dumps(spec | {"lockstep": True})]
+        # Compile caches of its own: engines compiling at once could read an entry that
+        # another is still writing.
+        env = os.environ | {
+            "VLLM_CACHE_ROOT": str(caches / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        }
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=env,
         )
 
     def reply(self, expected: str) -> str | None:
@@ -900,27 +926,35 @@ def run_lockstep(
     rows: list[dict],
     failed: dict[str, str],
 ) -> None:
-    """--lockstep: each (context, spec) in a process of its own, started one after
-    another (each engine profiles its memory alone) and all kept alive; then, per
+    """--lockstep: each (context, spec) in a process of its own, all started at once
+    (with fixed KV caches: LOCKSTEP_MEMORY) and kept alive; then, per
     concurrency, every engine's repeat r before any engine's repeat r + 1 (in order on
     even repeats, in reverse on odd ones). Each row adds ``paired``: against every other
     engine, the median ratio of their repeats of the same index (the same prompts, run
     back to back)."""
     start = time.monotonic()
     with ExitStack() as stack:
+        caches = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         running = []
-        for context, spec in engines:
+        for index, (context, spec) in enumerate(engines):
             errors = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
-            engine = LockstepEngine(context, spec, out, errors)
+            engine = LockstepEngine(context, spec, out, errors, caches / str(index))
             stack.enter_context(engine.process)
             running.append(engine)
+
+        def ready(engine: LockstepEngine) -> bool:
             if engine.reply("READY") is None:
+                return False
+            # the device log's only sign of progress until the first rows
+            print(f"lockstep: {engine.label} ready at {time.monotonic() - start:.0f} s", flush=True)
+            return True
+
+        # Every engine's log read at once: one whose stdout pipe filled would stall its start.
+        with ThreadPoolExecutor(len(running)) as pool:
+            started = list(pool.map(ready, running))
+        for engine, ok in zip(list(running), started, strict=True):
+            if not ok:
                 lost(engine, running, rows, failed, out)
-            else:  # the device log's only sign of progress until the first rows
-                print(
-                    f"lockstep: {engine.label} ready at {time.monotonic() - start:.0f} s",
-                    flush=True,
-                )
 
         def ask_all(order: list[LockstepEngine], expected: str, **command) -> dict[str, str]:
             replies = {}

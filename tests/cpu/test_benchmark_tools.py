@@ -409,18 +409,28 @@ def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_pa
 
 
 LOCKSTEP_ENGINE = """
-import json, os, statistics, sys
+import json, os, pathlib, statistics, sys, time
 spec = json.loads(sys.argv[sys.argv.index("--arm-spec") + 1])
 options = spec["options"]
 speed = 100.0 if options is None else 150.0
-print("INFO a log line on stdout", flush=True)
+print("INFO a log line on stdout" + "." * 100_000, flush=True)  # more than a pipe holds
+# Ready only once every engine has started: engines started one after another never are.
+caches = pathlib.Path(os.environ["VLLM_CACHE_ROOT"])
+caches.mkdir(parents=True)
+for _ in range(200):
+    if len(list(caches.parent.parent.glob("*/vllm"))) == 4:
+        break
+    time.sleep(0.05)
+else:
+    sys.exit("the other engines never started")
 print("READY", flush=True)
 repeats = []
 for line in sys.stdin:
     command = json.loads(line)
     c = command["concurrency"]
     with open(os.environ["LOCKSTEP_LOG"], "a") as log:
-        log.write(json.dumps([os.getpid(), command["do"], c, spec["gpu_memory_utilization"]]))
+        log.write(json.dumps([os.getpid(), command["do"], c, spec["gpu_memory_utilization"],
+                              spec["kv_cache_memory_bytes"], str(caches)]))
         log.write("\\n")
     if command["do"] == "begin":
         repeats = []
@@ -437,7 +447,8 @@ for line in sys.stdin:
 
 
 def test_lockstep_takes_every_engines_repeats_in_turn(monkeypatch, tmp_path):
-    """--lockstep: engines alive at once, each with its share of the GPU; per concurrency
+    """--lockstep: engines started at once, each with its share of the GPU, a fixed KV
+    cache and compile caches of its own, all alive at once; per concurrency
     repeat r of every engine before repeat r + 1 of any, forward then backward; rows
     carry their median ratio to every other engine over repeats of the same index; an arm
     named twice runs in two engines; an engine that dies leaves the rotation, the others
@@ -460,11 +471,12 @@ def test_lockstep_takes_every_engines_repeats_in_turn(monkeypatch, tmp_path):
     rows, failed = written[-1]
     assert list(failed) == ["sps"] and "lost the GPU" in failed["sps"]
     commands = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {share for *_, share in commands} == {round(0.8 / 4, 3)}
+    assert {tuple(command[3:5]) for command in commands} == {(round(0.8 / 4, 3), 2 << 30)}
+    assert len({command[5] for command in commands}) == 4
     engines = list(dict.fromkeys(pid for pid, *_ in commands))  # in the order they began
-    timed = [engines.index(pid) for pid, do, c, _ in commands if do == "time" and c == 1]
+    timed = [engines.index(pid) for pid, do, c, *_ in commands if do == "time" and c == 1]
     assert timed == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3]
-    timed = [engines.index(pid) for pid, do, c, _ in commands if do == "time" and c == 16]
+    timed = [engines.index(pid) for pid, do, c, *_ in commands if do == "time" and c == 16]
     assert timed[:3] == [0, 1, 2] and timed.count(3) == 1  # sps died on its first
     assert [(row["arm"], row.get("copy"), row["concurrency"]) for row in rows] == [
         ("nospec", None, 1),
