@@ -78,10 +78,11 @@
 #            in turn (offline_sweep --lockstep): no speculation, stock k=7 twice (two
 #            engines of one arm: the noise floor), Dynamic SD, budget, threshold, sps, sps
 #            with plain steps (no dspark-fixed: alone, its engine is stock k=7's; sps-depth
-#            and sps-batch left out for time); the engines start at once (c612592; one
-#            after another at e65ea33, the first run lost with its machine after 8 min
-#            of starts), then ~4 min of repeats; third to fifth arguments: arms,
-#            concurrencies, repeats (9)
+#            and sps-batch left out for time); the engines start at once (c612592; four
+#            were ready 2.3 min after at 55bf4da; one after another at e65ea33, seven
+#            had written nothing when the machine went back 8 min in), then ~1.5 s per
+#            engine and repeat (~7 min for eight engines, 9 repeats, 4 concurrencies);
+#            third to fifth arguments: arms, concurrencies, repeats (9)
 #   sanitizer  compute-sanitizer memcheck over a short run of the embedded pair with every
 #            capacity option (tests/gpu/test_sanitizer_gpu.py; skipped without the tool)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
