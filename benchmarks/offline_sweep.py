@@ -20,11 +20,11 @@ real verification (DSpark arms only), on windows of its held-out text (``--promp
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
 (:mod:`vllm_dspark.engine_control`); their rows name that engine. ``--mirror`` runs them
-again in reverse order, each row numbered by its ``pass``. ``--lockstep`` keeps every
-arm's engine alive at once, each with its share of the GPU, and takes their timed repeats
-in turn (repeat r of every arm, on the same prompts, before repeat r + 1 of any), so that
-a drift of the machine meets every arm alike; each row adds ``paired``, its median ratio
-to every other arm over repeats of the same index.
+again in reverse order, each row numbered by its ``pass``. ``--lockstep`` starts every
+arm's engine at once and keeps them alive, each with its share of the GPU and a fixed KV
+cache, and takes their timed repeats in turn (repeat r of every arm, on the same prompts,
+before repeat r + 1 of any), so that a drift of the machine meets every arm alike; each
+row adds ``paired``, its median ratio to every other arm over repeats of the same index.
 After its timed repeats each concurrency runs the first repeat's first wave once more,
 untimed, and records it step by step (``timeline``: when every request had its first
 token, when half had finished, the last token; :func:`step_timeline`; with speculation,
@@ -927,7 +927,7 @@ def run_lockstep(
     failed: dict[str, str],
 ) -> None:
     """--lockstep: each (context, spec) in a process of its own, all started at once
-    (with fixed KV caches: LOCKSTEP_MEMORY) and kept alive; then, per
+    (each with a fixed KV cache, see LOCKSTEP_MEMORY) and kept alive; then, per
     concurrency, every engine's repeat r before any engine's repeat r + 1 (in order on
     even repeats, in reverse on odd ones). Each row adds ``paired``: against every other
     engine, the median ratio of their repeats of the same index (the same prompts, run
