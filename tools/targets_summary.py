@@ -413,10 +413,10 @@ def embedded_pair(record: dict) -> dict:
 def noise_floor(rows: list[dict]) -> dict[str, float]:
     """offline_sweep --lockstep with an arm named twice: per concurrency, its second
     engine's paired ratio to its first, what two engines of one arm differ by (empty
-    without such rows)."""
+    without such rows), by concurrency."""
     return {
         str(row["concurrency"]): row["paired"][row["arm"]]
-        for row in rows
+        for row in sorted(rows, key=lambda row: row["concurrency"])
         if row.get("copy") == 2 and row["arm"] in row.get("paired", {})
     }
 
