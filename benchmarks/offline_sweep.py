@@ -749,7 +749,8 @@ def main() -> int:
     parser.add_argument(
         "--lockstep",
         action="store_true",
-        help="every arm's engine alive at once (each with its share of the GPU), their "
+        help="every arm's engine started and alive at once (each with its share of the GPU "
+        "and a fixed KV cache), their "
         "timed repeats taken in turn: repeat r of every arm before repeat r + 1 of any, "
         "on the same prompts, so that the machine's drift meets every arm alike; an arm "
         "named twice runs in two engines (the noise floor)",
@@ -858,15 +859,21 @@ def keep_row(rows: list[dict], failed: dict, out: Path, context: dict, row: dict
 def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
     """One engine in a process of its own; each row goes to ``keep`` as soon as the engine
     prints it. Returns the exit code and :func:`failure_excerpt` of the engine's stderr."""
-    command = [sys.executable, __file__, "--out", str(out), "--arm-spec", json.dumps(spec)]
     # stderr to a file: vLLM logs more than a pipe holds while stdout is being read.
     with tempfile.TemporaryFile(mode="w+") as errors:
-        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True) as engine:
+        with subprocess.Popen(
+            arm_command(spec, out), stdout=subprocess.PIPE, stderr=errors, text=True
+        ) as engine:
             for line in engine.stdout:
                 if line.startswith("ROW "):
                     keep(json.loads(line[4:]))
         errors.seek(0)
         return engine.returncode, failure_excerpt(errors.read())
+
+
+def arm_command(spec: dict, out: Path) -> list[str]:
+    """This script, run as one arm's engine process (run_arm_here or run_lockstep_here)."""
+    return [sys.executable, __file__, "--out", str(out), "--arm-spec", json.dumps(spec)]
 
 
 class LockstepEngine:
@@ -875,8 +882,6 @@ class LockstepEngine:
     def __init__(self, context: dict, spec: dict, out: Path, errors, caches: Path):
         self.context, self.errors = context, errors
         self.label = context["arm"] + (f"#{context['copy']}" if "copy" in context else "")
-        command = [sys.executable, __file__, "--out", str(out)]
-        command += ["--arm-spec", json.dumps(spec | {"lockstep": True})]
         # Compile caches of its own: engines compiling at once could read an entry that
         # another is still writing.
         env = os.environ | {
@@ -884,7 +889,7 @@ class LockstepEngine:
             "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
         }
         self.process = subprocess.Popen(
-            command,
+            arm_command(spec | {"lockstep": True}, out),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errors,
