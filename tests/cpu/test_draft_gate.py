@@ -5,6 +5,7 @@ import torch
 
 from vllm_dspark.capacity.draft_gate import (
     HYSTERESIS,
+    PLAIN_PROBE_BURST,
     PROBE_EVERY,
     DraftGate,
     SlowestRequest,
@@ -110,6 +111,21 @@ def test_a_closed_gate_probes_now_and_then_to_measure_survival_again():
     # A probe that measured good survivals reopens it for good.
     assert gate.decide(1, [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02], K)
     assert gate.decide(1, [0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02], K)
+
+
+def test_with_plain_steps_a_probe_drafts_a_burst():
+    gate = DraftGate(
+        sps_table(0.05, 10.0),
+        {K: draft_seconds_table([(1, 1.0), (256, 10.0)], R_MAX)},
+        probe_burst=PLAIN_PROBE_BURST,
+    )
+    decisions = [gate.decide(1, [0.0] * K, K) for _ in range(2 * (PROBE_EVERY + PLAIN_PROBE_BURST))]
+    probes = [i for i, drafting in enumerate(decisions) if drafting]
+    first = list(range(PROBE_EVERY - 1, PROBE_EVERY - 1 + PLAIN_PROBE_BURST))
+    # The next probe counts its skipped proposals from the burst's end.
+    second = [i + PROBE_EVERY + PLAIN_PROBE_BURST - 1 for i in first]
+    assert probes == first + second
+    assert not gate.drafting
 
 
 def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(sps_speculator):

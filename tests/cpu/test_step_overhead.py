@@ -8,6 +8,7 @@ import torch
 
 from vllm_dspark.capacity.allocation import sps_best_count, sps_table_from_curve
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
+from vllm_dspark.capacity.plain_steps import PLAIN_BURST
 from vllm_dspark.capacity.step_overhead import SETTLE, WINDOW, OverheadFit, StepOverhead
 
 CPU = torch.device("cpu")
@@ -545,8 +546,6 @@ def test_plain_steps_run_where_they_are_faster_in_closed_loop(
     plain steps stay rare (the probe's bursts)."""
     from test_compact_verification import K
 
-    from vllm_dspark.capacity.plain_steps import PLAIN_BURST
-
     fixed_s, draft_s, skip_s, plain_rest_s = 2.4e-3, 2.5e-4, 2e-4, 1.1e-3
     curve = [[1, 2000.0], [64, 2000.0], [256, 1900.0]]
     speculator, clock = simulated_sps(plugin_speculator, curve, draft_s, dspark_plain_steps=True)
@@ -569,3 +568,46 @@ def test_plain_steps_run_where_they_are_faster_in_closed_loop(
     else:
         assert sum(plain) <= 2 * PLAIN_BURST + 4  # the first burst (and one refresh)
         assert not any(late[: 4 * WINDOW]) or sum(late) <= PLAIN_BURST + 2
+
+
+def test_a_closed_gate_with_plain_steps_times_its_probes_at_the_new_load(plugin_speculator):
+    """The embedded pair at 155bc4a (H100, eight engines on one GPU): a per-draft cost b
+    fitted at one request (a few drafts a step, the host's noise) came to 20 us, which
+    priced 256 requests' 1,792 drafts at 36 ms. The gate closed at 256 where drafting was
+    far faster, and with plain steps each probe drafted once after plain steps, a step the
+    fit does not sample: b was never measured again. A probe's burst is timed; b falls to
+    what steps at 256 cost and the gate drafts again."""
+    from test_compact_verification import K
+
+    fixed_s, draft_s, skip_s, plain_rest_s = 2.4e-3, 2.5e-4, 2e-4, 1.1e-3
+    curve = [[1, 2000.0], [256, 1900.0], [2048, 1000.0]]
+    speculator, clock = simulated_sps(
+        plugin_speculator, curve, draft_s, dspark_plain_steps=True, max_num_seqs=256
+    )
+    table = speculator.sps_table_host
+
+    def run(num_reqs: int, per_draft_s: float, num_steps: int) -> list[bool]:
+        survival = torch.cumprod(torch.full((num_reqs, K), 0.9), dim=1)
+
+        def period(budget: int, drafted: bool) -> float:
+            proposal = draft_s if drafted else skip_s
+            return 1 / float(table[num_reqs + budget]) + fixed_s + proposal + per_draft_s * budget
+
+        plain_s = 1 / float(table[num_reqs]) + plain_rest_s
+        # The batch's prefill first: a step the curve does not describe.
+        speculator.step_tokens = None
+        clock.now += 0.05
+        speculator.observe_step(num_reqs)
+        return run_plain_closed_loop(
+            speculator, clock, num_reqs, survival, num_steps, period, plain_s
+        )
+
+    # b learnt where drafts are few (here truly 20 us: the fit cannot tell noise from cost).
+    run(8, 20e-6, 48 * WINDOW)
+    overhead = speculator.step_overhead
+    assert overhead.per_draft_seconds == pytest.approx(20e-6, rel=0.2)
+    plain = run(256, 0.5e-6, 48 * WINDOW)
+    assert sum(plain[: 2 * WINDOW]) > WINDOW  # the gate closed on the dear drafts
+    assert overhead.per_draft_seconds < 2e-6
+    late = plain[-8 * WINDOW :]
+    assert sum(late) <= PLAIN_BURST + 2  # drafting again (a refresh's plain burst at most)

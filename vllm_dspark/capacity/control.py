@@ -43,6 +43,7 @@ from vllm_dspark.capacity.allocation import (
 )
 from vllm_dspark.capacity.depth_control import DepthControl
 from vllm_dspark.capacity.draft_gate import (
+    PLAIN_PROBE_BURST,
     SURVIVAL_MEMORY,
     DraftGate,
     SlowestRequest,
@@ -289,6 +290,7 @@ class CapacityControl(DepthControl):
             self.sps_table_host,
             self.draft_tables,
             masked_step_drafts=self.masked_step_drafts,
+            probe_burst=PLAIN_PROBE_BURST if self.options.plain_steps else 1,
         )
         if self.acceptance is not None:
             return  # the gate reads the acceptance observed per position

@@ -35,11 +35,18 @@ budget is 0 and vLLM runs R tokens, as without speculation. While the gate is cl
 survival statistics keep their last values, so it reopens as load leaves (smaller R); and
 every ``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so that survivals
 which were low when it closed (or the first steps' guesses) are measured again rather than
-kept for good. The survivals it weighs are an average over about the last
-``SURVIVAL_MEMORY`` requests' proposals (:class:`SurvivalAverage`): the gate follows the
-load, and one proposal of a few requests is too noisy a reading of the workload's
-acceptance. With ``gate_objective=batch`` the survivals weighed are instead the mean so far
-of the request that drafts worst (:class:`SlowestRequest`), averaged the same way: a batch
+kept for good. With plain steps a probe drafts ``PLAIN_PROBE_BURST`` proposals in a row:
+its first drafting step follows plain ones, and the step-overhead fit samples a step only
+after one of its kind (``step_overhead.SETTLE``), so a lone probe's step was never timed
+and the per-draft cost b it weighs stayed what other loads had fitted. On the embedded
+pair (155bc4a, H100, eight engines on one GPU) b fitted at one request, 0-7 drafts a step,
+came to 20 us, 36 ms over 256 requests' 1,792 drafts against a whole step of ~5 ms: the
+gate closed at 256 and stayed closed through nine repeats (0.58x stock k=7). The
+survivals it weighs are an average over about the last ``SURVIVAL_MEMORY`` requests'
+proposals (:class:`SurvivalAverage`): the gate follows the load, and one proposal of a
+few requests is too noisy a reading of the workload's acceptance. With
+``gate_objective=batch`` the survivals weighed are instead the mean so far of the request
+that drafts worst (:class:`SlowestRequest`), averaged the same way: a batch
 submitted at once lasts as long as its slowest request, and drafting finishes it sooner
 only if that request gains more tokens per step than a speculative step costs over a plain
 one (on the embedded pair, 256 such requests take 122-127 decode steps with k=7, the 127 of
@@ -58,6 +65,11 @@ from vllm_dspark.capacity.stale_record import StalePerRequest
 
 HYSTERESIS = 0.02
 PROBE_EVERY = 64  # skipped proposals in a row before one is drafted to refresh survivals
+# With plain steps: proposals a probe drafts in a row, so that a step verifying drafts at
+# this load is timed. vLLM's async scheduler gives drafts to the last two of four (it takes
+# a verdict late), and the first drafting step after plain ones is a transition
+# (tests/cpu/test_plain_steps.py, the acceptance gate through the scheduler).
+PLAIN_PROBE_BURST = 4
 SURVIVAL_MEMORY = 64  # requests' proposals the gate's mean survivals average over
 
 
@@ -161,6 +173,10 @@ class DraftGate:
     # step runs through the target, whatever it verifies (a skipped proposal's
     # placeholders too); 0 when steps are compacted to what they verify.
     masked_step_drafts: int = 0
+    # Proposals each probe of the closed gate drafts in a row (PLAIN_PROBE_BURST with plain
+    # steps) and what is left of the current one.
+    probe_burst: int = 1
+    probe_left: int = 0
     drafting: bool = True
     skipped_in_a_row: int = 0
     # Whether the last decision drafted with a margin no plain step could close: it beat a
@@ -263,10 +279,13 @@ class DraftGate:
         fastest_plain = num_reqs * float(self.sps_table[num_reqs])
         self.beats_any_plain_step = best >= fastest_plain * (1 + HYSTERESIS)
         if self.drafting:
-            self.skipped_in_a_row = 0
+            self.skipped_in_a_row = self.probe_left = 0
             return True
+        if self.probe_left:
+            self.probe_left -= 1
+            return True  # the probe's burst goes on
         self.skipped_in_a_row += 1
         if self.skipped_in_a_row >= PROBE_EVERY:
-            self.skipped_in_a_row = 0
+            self.skipped_in_a_row, self.probe_left = 0, self.probe_burst - 1
             return True  # a probe: the gate stays closed unless its survivals reopen it
         return False
