@@ -22,13 +22,25 @@ from pathlib import Path
 from targets_summary import mean_tok_s
 
 
+def drafts_per_request(row: dict) -> float | None:
+    """Drafts a request verified per step: the plugin's count over its compacted steps, or,
+    where none was compacted (stock k=7, Dynamic SD, every draft verified), vLLM's draft
+    tokens per drafting request; the plugin counts K there, which Dynamic SD's table cuts."""
+    if (row.get("admission") or {}).get("steps"):
+        return row["admitted_per_req"]
+    counts = row.get("spec_decode") or {}
+    if counts.get("drafts"):
+        return counts["draft_tokens"] / counts["drafts"]
+    return row.get("admitted_per_req")
+
+
 def _cell(rows: list[dict], ratio: float | None) -> str:
     runs = " / ".join(f"{row['tok_s']:,.0f}" for row in rows)
     notes = [] if ratio is None else [f"{ratio:.2f}x"]
     acceptance = [row["acceptance_length"] for row in rows if row.get("acceptance_length")]
     if acceptance:
         notes.append(f"{statistics.fmean(acceptance):.2f}")
-    admitted = [row["admitted_per_req"] for row in rows if row.get("admitted_per_req")]
+    admitted = [value for value in map(drafts_per_request, rows) if value]
     if admitted:
         notes.append(f"{statistics.fmean(admitted):.1f}")
     return runs + (f" ({', '.join(notes)})" if notes else "")
