@@ -75,14 +75,16 @@
 #            the same arms on the embedded pair (real verification; 4 engines of ~60 s)
 #   capacity-lockstep
 #            the embedded pair's arms in engines alive at once, their timed repeats taken
-#            in turn (offline_sweep --lockstep): no speculation, stock k=7 twice (two
-#            engines of one arm: the noise floor), Dynamic SD, budget, threshold, sps, sps
-#            with plain steps (no dspark-fixed: alone, its engine is stock k=7's; sps-depth
-#            and sps-batch left out for time); the engines start at once (c612592; four
-#            were ready 2.3 min after at 55bf4da; one after another at e65ea33, seven
-#            had written nothing when the machine went back 8 min in), then ~1.5 s per
-#            engine and repeat (~7 min for eight engines, 9 repeats, 4 concurrencies);
-#            third to fifth arguments: arms, concurrencies, repeats (9)
+#            in turn (offline_sweep --lockstep); by default four: no speculation, stock k=7
+#            twice (two engines of one arm: the noise floor) and sps. Stock k=7's two
+#            engines ran 0.997-1.025x apart with four engines (55bf4da) and 0.90-1.08x
+#            with eight (155bc4a: every arm, too noisy to rank within 5%), so name other
+#            arms (dynamic-sd, budget, threshold, sps-plain, ...) in runs of their own
+#            beside nospec and dspark. The engines start at once: four were ready 2.1-2.3
+#            min after (3.4-3.7 min on a slow host, b768281), eight 2.4-2.6 min; then
+#            ~1.5 s per engine and repeat (eight engines, 9 repeats: ~2.5 min at 1 and 256
+#            requests, 1.5 min at 16 and 64); third to fifth arguments: arms,
+#            concurrencies, repeats (9)
 #   sanitizer  compute-sanitizer memcheck over a short run of the embedded pair with every
 #            capacity option (tests/gpu/test_sanitizer_gpu.py; skipped without the tool)
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -327,7 +329,7 @@ case "$stage" in
     # speculating arm made the same decisions: only arms measured in the same seconds
     # compare. 8 requests a repeat at one request (1 s).
     timeout 1500 python3 benchmarks/offline_sweep.py --pair embedded --graphs-to 2048 \
-      --arms "${3:-nospec,dspark,dspark,dynamic-sd,budget,threshold,sps,sps-plain}" \
+      --arms "${3:-nospec,dspark,dspark,sps}" \
       --lockstep --concurrency "${4:-1,16,64,256}" --repeats "${5:-9}" --min-requests 8 \
       --out "$OUT/$stage.json" 2>&1 | quiet \
       | tee "$OUT/$stage.log" \
