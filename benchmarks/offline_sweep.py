@@ -979,7 +979,7 @@ def run_lockstep(
                 ask_all(list(order), "TIMED ", do="time", concurrency=concurrency, repeat=repeat)
             replies = ask_all(list(running), "ROW ", do="row", concurrency=concurrency)
             measured = {label: json.loads(row) for label, row in replies.items()}
-            order = [engine.label for engine in running]  # those still running: each replied
+            labels = [engine.label for engine in running]  # those still running: each replied
             for engine in running:
                 row = measured[engine.label]
                 row["paired"] = {
@@ -987,7 +987,7 @@ def run_lockstep(
                     for other, theirs in measured.items()
                     if other != engine.label
                 }
-                keep_row(rows, failed, out, engine.context | {"lockstep": order}, row)
+                keep_row(rows, failed, out, engine.context | {"lockstep": labels}, row)
         # Every engine told to end at once: each Popen's exit closes its stdin and waits,
         # one engine's shutdown after another's.
         for engine in running:

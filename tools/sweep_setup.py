@@ -69,7 +69,7 @@ def sweep_setup(sweep: dict, setup: str, records: dict[str, dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", type=Path, help="capacity_sweep.json, rewritten in place")
-    parser.add_argument("--setup", required=True, help="embedded or qwen3-8b/confidence")
+    parser.add_argument("--setup", required=True, help="e.g. embedded, qwen3-8b/confidence")
     parser.add_argument("records", type=Path, nargs="+")
     args = parser.parse_args()
     records = {path.name: json.loads(path.read_text()) for path in args.records}
