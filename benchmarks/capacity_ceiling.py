@@ -6,7 +6,7 @@ CPU only: it reads what H200 runs committed and models one pure-decode step of R
 with a K=7 DSpark drafter (setup (b) of the capacity issue). For every physical depth d
 and every admission count N it takes the expected tokens of the step, R plus the N best
 prefix survivals of the batch (calibrated synthetic confidence around the sweep's
-acceptance profile, :mod:`vllm_dspark.capacity.synthetic`, so the expectation is exact),
+acceptance profile, :mod:`vllm_dspark.bench.synthetic`, so the expectation is exact),
 over the step's time, and keeps the best. Every choice is optimistic:
 - admission is an oracle on the step's own survivals (the lossless scheme must take its
   count from the previous proposal), best per batch;
@@ -54,8 +54,8 @@ import numpy as np
 import torch
 from offline_sweep import DEFAULT_RATES, conditional_rates
 
+from vllm_dspark.bench.synthetic import SyntheticConfidence
 from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, prefix_survival, sps_rates
-from vllm_dspark.capacity.synthetic import SyntheticConfidence
 
 K = 7
 RESULTS = Path(__file__).parent / "results"

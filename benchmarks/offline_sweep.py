@@ -19,7 +19,7 @@ real verification (DSpark arms only), on windows of its held-out text (``--promp
 ``--shared-engine`` runs capacity arms that differ only in what a running engine can
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
-(:mod:`vllm_dspark.engine_control`); their rows name that engine. ``--mirror`` runs them
+(:mod:`vllm_dspark.bench.engine_control`); their rows name that engine. ``--mirror`` runs them
 again in reverse order, each row numbered by its ``pass``. ``--lockstep`` starts every
 arm's engine at once and keeps them alive, each with its share of the GPU and a fixed KV
 cache, and takes their timed repeats in turn (repeat r of every arm, on the same prompts,
@@ -272,7 +272,7 @@ def seeded_params(max_tokens: int, count: int, offset: int) -> list:
     """Greedy sampling parameters for the ``count`` prompts of ``sweep_prompts(count,
     offset)``, each with a seed of its own that every arm gives the same prompt. Calibrated
     synthetic acceptance draws from the seed and the draft's position (common random
-    numbers: :mod:`vllm_dspark.capacity.synthetic`), so arms meet the same draws; greedy
+    numbers: :mod:`vllm_dspark.bench.synthetic`), so arms meet the same draws; greedy
     outputs do not read the seed."""
     from vllm import SamplingParams
 
@@ -443,7 +443,7 @@ class Engine:
         then the first repeat's first wave once more, untimed and outside the counters,
         step by step: as the front end receives them and, with speculation, what capacity
         control decided in each decode step."""
-        from vllm_dspark.engine_control import trace_steps
+        from vllm_dspark.bench.engine_control import trace_steps
         from vllm_dspark.metrics import gate_inputs
 
         after = self.counters()
@@ -492,7 +492,7 @@ class Engine:
 
 def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one JSON line each."""
-    from vllm_dspark.engine_control import switch_capacity
+    from vllm_dspark.bench.engine_control import switch_capacity
 
     engine = Engine(spec)
     # One arm, or (--shared-engine) several capacity arms switched in this engine; with
@@ -630,7 +630,7 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
 def startup_options(arm: str) -> dict:
     """The options of ``arm`` that a running engine cannot switch: the method and what is
     built at start-up (an FP8 head, a draft vocabulary, FP8 drafter layers)."""
-    from vllm_dspark.capacity.control import SWITCHABLE
+    from vllm_dspark.bench.engine_control import SWITCHABLE
 
     options = ARMS[arm] or {}
     return {

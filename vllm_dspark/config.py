@@ -198,7 +198,7 @@ class DSparkOptions(BaseModel):
     verification, draw each draft's confidence c = sigmoid(b_k + 2 N(0, 1)), its mean at
     position k this list's k-th value (the conditional acceptance rate), and accept the
     draft with probability c (given its prefix was accepted), so confidence is calibrated
-    by construction (:mod:`vllm_dspark.capacity.synthetic`)."""
+    by construction (:mod:`vllm_dspark.bench.synthetic`)."""
 
     @field_validator(*LIST_FILE_KEYS, mode="before")
     @classmethod

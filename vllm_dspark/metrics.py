@@ -147,20 +147,22 @@ class AdmissionCounts:
 
 def _worker_admission(worker) -> dict:
     speculator = worker.model_runner.speculator
+    # vLLM's own speculator (no option set) has no controller: nothing counted apart.
+    controller = getattr(speculator, "controller", speculator)
     return {
-        "proposed": getattr(speculator, "drafts_proposed", 0),
-        "admitted": getattr(speculator, "drafts_admitted", 0),
+        "proposed": getattr(controller, "drafts_proposed", 0),
+        "admitted": getattr(controller, "drafts_admitted", 0),
         "num_drafts": speculator.num_speculative_steps,
-        "steps": getattr(speculator, "compacted_steps", 0),
-        "graph_steps": getattr(speculator, "graph_steps", 0),
-        "mixed_steps": getattr(speculator, "mixed_steps", 0),
-        "depth": getattr(speculator, "draft_depth", speculator.num_speculative_steps),
-        "depth_changes": getattr(speculator, "depth_changes", 0),
-        "proposals_skipped": getattr(speculator, "proposals_skipped", 0),
-        "proposals_rested": getattr(getattr(speculator, "rest", None), "proposals_rested", 0),
-        "fingerprint": getattr(speculator, "admission_fingerprint", 0),
-        **_overhead(getattr(speculator, "step_overhead", None)),
-        "proposals_at_depth": list(getattr(speculator, "proposals_at_depth", [])),
+        "steps": getattr(controller, "compacted_steps", 0),
+        "graph_steps": getattr(controller, "graph_steps", 0),
+        "mixed_steps": getattr(controller, "mixed_steps", 0),
+        "depth": getattr(controller, "draft_depth", speculator.num_speculative_steps),
+        "depth_changes": getattr(controller, "depth_changes", 0),
+        "proposals_skipped": getattr(controller, "proposals_skipped", 0),
+        "proposals_rested": getattr(getattr(controller, "rest", None), "proposals_rested", 0),
+        "fingerprint": getattr(controller, "admission_fingerprint", 0),
+        **_overhead(getattr(controller, "step_overhead", None)),
+        "proposals_at_depth": list(getattr(controller, "proposals_at_depth", [])),
     }
 
 
@@ -191,27 +193,27 @@ def admission_counts_per_rank(llm) -> list[AdmissionCounts]:
 
 
 def _worker_gate_inputs(worker) -> dict:
-    speculator = worker.model_runner.speculator
-    gate = getattr(speculator, "draft_gate", None)
+    controller = getattr(worker.model_runner.speculator, "controller", None)
+    gate = getattr(controller, "draft_gate", None)
     if gate is None:
         return {}
-    if speculator.acceptance is not None:  # the acceptance verified per position
-        survival = speculator.acceptance.survival().tolist()
+    if controller.acceptance is not None:  # the acceptance verified per position
+        survival = controller.acceptance.survival().tolist()
     else:
-        survival = speculator.gate_survival.mean or speculator.stale_survival.per_request()
-    curve = speculator.profiled_sps_curve or []
+        survival = controller.gate_survival.mean or controller.stale_survival.per_request()
+    curve = controller.profiled_sps_curve or []
     return {
         "gate_open": gate.drafting,
         "skipped_in_a_row": gate.skipped_in_a_row,
         # plain steps: an open verdict waiting for a step the scheduler gave drafts, and
         # the drafts the scheduler gave the step after the last one (0: a plain step).
-        "open_verdict_pending": speculator.open_verdict_pending,
-        "next_step_drafts": speculator.next_step_drafts,
+        "open_verdict_pending": controller.open_verdict_pending,
+        "next_step_drafts": controller.next_step_drafts,
         "mean_survival": [round(s, 4) for s in survival],
         "sps_curve": [[int(t), sps] for t, sps in curve],
         "draft_ms": {
             depth: [[reqs, round(ms, 4)] for reqs, ms in rows]
-            for depth, rows in speculator.profiled_draft_ms.items()
+            for depth, rows in controller.profiled_draft_ms.items()
         },
     }
 

@@ -22,9 +22,10 @@ from vllm_dspark.capacity.allocation import (
 )
 from vllm_dspark.capacity.calibration_stats import CalibrationStats
 from vllm_dspark.capacity.confidence import ConfidenceHead, resolve_temperatures
-from vllm_dspark.capacity.control import CapacityControl
+from vllm_dspark.capacity.controller import CapacityController, ProposalPlan
 from vllm_dspark.capacity.online_sts import OnlineSTS
-from vllm_dspark.capacity.synthetic import SyntheticConfidence
+from vllm_dspark.capacity.plain_steps import without_dynamic_sd_table
+from vllm_dspark.capacity.startup_checks import check_compaction_backends
 from vllm_dspark.config import DSparkOptions
 from vllm_dspark.context_kv import GraphedContextKV
 from vllm_dspark.head.draft_heads import DraftHeads
@@ -87,23 +88,35 @@ def propose_without_drafting(speculator, call: dict) -> torch.Tensor:
     return speculator.draft_tokens[:num_reqs]
 
 
-class DepthGraphs:
-    """Mixed into a speculator with ``dspark_dynamic_depth``: one draft graph manager per
-    depth d = 1..K, each capturing a proposal that computes d positions (the speculator's
-    drafting reads ``draft_depth``), so switching depth replays another graph and never
-    recaptures. Eager proposals (batches past the largest graph) read it too."""
+class PluginSpeculator:
+    """Mixed into stock DSpark's and DFlash's speculators: the plugin's options, the
+    capacity controller the speculator holds (:mod:`vllm_dspark.capacity.controller`),
+    and with ``dspark_dynamic_depth`` one draft graph manager per depth d = 1..K, each
+    capturing a proposal that computes d positions, so that switching depth replays
+    another graph and never recaptures (eager proposals read the depth too)."""
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
         super().__init__(vllm_config, device)
-        # Positions the next proposal computes (all K unless dynamic depth), and the draft
-        # graph managers by depth (set when the managers are built).
-        self.draft_depth = self.num_speculative_steps
+        self.options = options
+        self.controller = CapacityController(
+            vllm_config, device, options, self.num_speculative_steps, self.max_num_reqs
+        )
         self._depth_graphs: dict[int, DFlashCudaGraphManager] = {}
 
-    def _init_draft_graph_managers(self, cudagraph_mode) -> None:
-        super()._init_draft_graph_managers(cudagraph_mode)
-        if not self.options.dynamic_depth:
-            return
+    @property
+    def draft_depth(self) -> int:
+        """Positions the running proposal computes (all K unless dynamic depth)."""
+        return self.controller.draft_depth
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """The drafter's graph managers, listed without plain steps' Dynamic SD table
+        (:func:`~vllm_dspark.capacity.plain_steps.without_dynamic_sd_table`)."""
+        with without_dynamic_sd_table(self.vllm_config):
+            super().init_cudagraph_manager(cudagraph_mode)
+            if self.options.dynamic_depth:
+                self._init_depth_graphs()
+
+    def _init_depth_graphs(self) -> None:
         full = self.query_cudagraph_manager
         self._depth_graphs = {
             depth: DFlashCudaGraphManager(
@@ -115,6 +128,7 @@ class DepthGraphs:
             for depth in range(1, self.num_speculative_steps)
         }
         self._depth_graphs[self.num_speculative_steps] = full
+        self.controller.varies_depth = True
 
     def capture(self) -> None:
         if not self._depth_graphs:
@@ -126,45 +140,40 @@ class DepthGraphs:
             self._use_depth(self.num_speculative_steps)
         self.capture_context_kv(self.query_cudagraph_manager.pool)
 
-    def switch_capacity(self, updates: dict) -> DSparkOptions:
-        options = super().switch_capacity(updates)
-        if self._depth_graphs:
-            self._use_depth(self.num_speculative_steps)
-        return options
-
     def draft_graph_managers(self) -> dict:
-        """One per depth with dynamic depth, else the full depth's."""
+        """{depth: its draft graph manager}, on which the draft gate's costs are timed: one
+        per depth with dynamic depth, else the full depth's (none before graphs exist)."""
         if self._depth_graphs:
             return dict(self._depth_graphs)
-        return super().draft_graph_managers()
+        graphs = self.query_cudagraph_manager
+        return {self.num_speculative_steps: graphs} if graphs else {}
+
+    def set_attn(
+        self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+    ):
+        super().set_attn(
+            model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+        )
+        if self.controller.controls_capacity and self.options.varlen_verify:
+            check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
 
     def _use_depth(self, depth: int) -> None:
-        self.draft_depth = depth
+        self.controller.draft_depth = depth
         self.query_cudagraph_manager = self._depth_graphs[depth]
 
-    def _plan_depth(self, num_reqs: int) -> None:
-        """Before a real proposal: the depth it computes (:meth:`proposal_depth`)."""
-        depth = self.proposal_depth(num_reqs)
+    def _plan_proposal(self, call: dict) -> ProposalPlan:
+        """The controller's plan for a real proposal, its depth's graphs selected."""
+        plan = self.controller.plan_proposal(call["input_batch"], call["num_sampled"])
         if self._depth_graphs:
-            self._use_depth(depth)
-
-    def plan_proposal(self, num_reqs: int, depth: int) -> bool:
-        """As capacity control plans it, at the shallower depth the draft gate chose where
-        the planned one does not pay."""
-        drafting = super().plan_proposal(num_reqs, depth)
-        if drafting and self._depth_graphs and self.gate_depth < depth:
-            self._use_depth(self.gate_depth)
-        if drafting:
-            self.proposals_at_depth[self.draft_depth - 1] += 1
-        return drafting
+            self.query_cudagraph_manager = self._depth_graphs[self.draft_depth]
+        return plan
 
 
-class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSparkSpeculator):
+class DSparkPluginSpeculator(PluginSpeculator, GraphedContextKV, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
-        super().__init__(vllm_config, device)
-        self.options = options
+        super().__init__(vllm_config, device, options)
         self.confidence: ConfidenceHead | None = None
-        self.synthetic: SyntheticConfidence | None = None
+        self.synthetic = None  # calibrated synthetic confidence (a benchmark option)
         self.calibration: CalibrationStats | None = None
         self.online_sts: OnlineSTS | None = None
         shape = (self.max_num_reqs, self.num_speculative_steps)
@@ -174,11 +183,12 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         # Per request slot: the raw confidence logits of the drafts it waits to have verified.
         self.slot_confidence_logits = torch.zeros(shape, dtype=torch.float32, device=device)
         if options.synthetic_confidence is not None:
+            from vllm_dspark.bench.synthetic import SyntheticConfidence
+
             self.synthetic = SyntheticConfidence(
                 options.synthetic_confidence[: self.num_speculative_steps], device
             )
             self.temperatures = torch.ones(self.num_speculative_steps, device=device)
-        self._init_capacity(vllm_config, device)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
@@ -216,33 +226,21 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
             self.calibration = CalibrationStats(self.num_speculative_steps, self.device)
         if self.options.online_sts:
             self.online_sts = OnlineSTS(self.temperatures.clone())
+        if self.calibration is not None or self.online_sts is not None:
+            self.controller.verification_reader = self._read_verification
         return model
 
     def propose(self, *args, **kwargs):
         # The runner passes these by position or by name; bind to read them either way.
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
-        real_step = not call.get("dummy_run", False)
-        input_batch = call["input_batch"]
-        slots = input_batch.idx_mapping
-        drafting = self.rest_proposal(input_batch.num_reqs) if real_step else None
-        resting = drafting is not None
-        if not real_step:
-            drafting = True
-        elif not resting:
-            self.observe_real_step(input_batch, call["num_sampled"])
-            self._plan_depth(input_batch.num_reqs)
-            drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
-            if drafting and self.slowest_request is not None:
-                self.slowest_request.start(input_batch.req_ids, input_batch.idx_mapping_np)
-        drafts = super().propose(*args, **kwargs) if drafting else self._propose_skipped(call)
-        if real_step:
-            self.drafted_last = drafting
-        if self.has_confidence and real_step and not resting:
-            survival = self.survival[: input_batch.num_reqs]
-            self.slot_survival[slots] = survival
-            self.slot_confidence_logits[slots] = self.confidence_logits[: input_batch.num_reqs]
-            if drafting:
-                self.record_proposal(survival, slots)
+        if call.get("dummy_run", False):
+            return super().propose(*args, **kwargs)
+        plan = self._plan_proposal(call)
+        drafts = super().propose(*args, **kwargs) if plan.drafting else self._propose_skipped(call)
+        if self.has_confidence and not plan.resting:
+            num_reqs, slots = call["input_batch"].num_reqs, call["input_batch"].idx_mapping
+            self.slot_confidence_logits[slots] = self.confidence_logits[:num_reqs]
+            self.controller.observe_proposal(slots, self.survival[:num_reqs])
         return drafts
 
     def _propose_skipped(self, call: dict) -> torch.Tensor:
@@ -251,20 +249,12 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
         self.survival[: call["input_batch"].num_reqs] = UNCOMPUTED_SURVIVAL
         return drafts
 
-    @property
-    def _reads_verification(self) -> bool:
-        return (
-            super()._reads_verification
-            or self.calibration is not None
-            or self.online_sts is not None
-        )
-
-    def _observe_drafted(self, input_batch, num_verified, num_accepted) -> None:
+    def _read_verification(self, slots, num_verified, num_accepted) -> None:
         """Feeds the calibration metrics and online STS: each slot's drafts proposed last
         step against what this step verified and accepted of them."""
-        slots = input_batch.idx_mapping
         if self.calibration is not None:
-            self.calibration.observe(self.slot_survival[slots], num_verified, num_accepted)
+            survival = self.controller.slot_survival[slots]
+            self.calibration.observe(survival, num_verified, num_accepted)
         if self.online_sts is not None:
             self.online_sts.observe(
                 self.slot_confidence_logits[slots], num_verified, num_accepted, self.temperatures
@@ -344,23 +334,10 @@ class DSparkPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DSp
                 self.survival[:num_reqs, depth:] = UNCOMPUTED_SURVIVAL
 
 
-class DFlashPluginSpeculator(DepthGraphs, GraphedContextKV, CapacityControl, DFlashSpeculator):
-    def __init__(self, vllm_config: VllmConfig, device: torch.device, options: DSparkOptions):
-        super().__init__(vllm_config, device)
-        self.options = options
-        self._init_capacity(vllm_config, device)
-
+class DFlashPluginSpeculator(PluginSpeculator, GraphedContextKV, DFlashSpeculator):
     def propose(self, *args, **kwargs):
         call = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs).arguments
-        real_step = not call.get("dummy_run", False)
-        drafting = True
-        if real_step:
-            input_batch = call["input_batch"]
-            self.observe_real_step(input_batch, call["num_sampled"])
-            self._plan_depth(input_batch.num_reqs)
-            drafting = self.plan_proposal(input_batch.num_reqs, self.draft_depth)
-            self.drafted_last = drafting
-        if drafting:
+        if call.get("dummy_run", False) or self._plan_proposal(call).drafting:
             return super().propose(*args, **kwargs)
         return propose_without_drafting(self, call)
 

@@ -374,7 +374,7 @@ def test_offline_sweep_mirrors_a_shared_engines_arms(fake_engines, monkeypatch, 
 
 
 def test_a_mirrored_engines_rows_are_numbered_by_pass(fake_llm, timed_arm, monkeypatch, capsys):
-    from vllm_dspark import engine_control
+    from vllm_dspark.bench import engine_control
 
     switched = []
     monkeypatch.setattr(engine_control, "switch_capacity", lambda llm, **kw: switched.append(kw))

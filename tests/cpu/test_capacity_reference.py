@@ -193,13 +193,13 @@ def test_confidence_modes_really_vary_the_verified_depth(mode):
 
 
 def test_synthetic_acceptance_is_calibrated_and_stops_at_the_first_rejection():
-    from vllm_dspark.capacity.allocation import conditional_confidence
-    from vllm_dspark.capacity.synthetic import (
+    from vllm_dspark.bench.synthetic import (
         LOGIT_SPREAD,
         SyntheticConfidence,
         acceptance_draws,
         accepted_lengths,
     )
+    from vllm_dspark.capacity.allocation import conditional_confidence
 
     means = [0.8, 0.6, 0.5, 0.4]
     # 100,000 requests of distinct seeds, each drafting positions 11..14.
@@ -247,7 +247,7 @@ def test_synthetic_confidence_reproduces_the_profile_and_a_trained_heads_discrim
     """On the device README's acceptance profile, fixed k=7 accepts 1 + sum(rates) tokens
     per step, and the prefix survival ranks accepted prefixes above rejected ones about as
     well as DSpark's raw head (AUROC 0.81-0.90)."""
-    from vllm_dspark.capacity.synthetic import (
+    from vllm_dspark.bench.synthetic import (
         SyntheticConfidence,
         acceptance_draws,
         accepted_lengths,
@@ -274,7 +274,7 @@ def test_synthetic_draws_are_common_to_every_batch_layout():
     """A draw is a function of (seed, position, stream) alone: the same request drafting
     the same position meets the same draw in any batch (row, companions, packing); draws
     of neighbouring positions and seeds are uncorrelated."""
-    from vllm_dspark.capacity.synthetic import ACCEPT_STREAM, counter_uniform
+    from vllm_dspark.bench.synthetic import ACCEPT_STREAM, counter_uniform
 
     seeds = torch.tensor([5, -(2**62), 2**40 + 3])
     positions = torch.tensor([[100, 101, 102]]).repeat(3, 1)
@@ -340,7 +340,7 @@ def test_the_speculators_curve_is_padded_to_its_engines_graph_sizes(sps_speculat
     compilation = speculator.vllm_config.compilation_config
     compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     compilation.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 24, 32]
-    speculator.set_sps_curve(curve, speculator.device)
-    table = speculator.sps_table_host
+    speculator.controller.set_sps_curve(curve, speculator.device)
+    table = speculator.controller.sps_table_host
     assert table[17] == table[24] == pytest.approx(float(sps_table_from_curve(curve, 24)[24]))
     assert table[33] < table[32]  # past the largest graph: as interpolated

@@ -9,6 +9,8 @@ import pytest
 import torch
 from triton_interpreter import interpreted, run_interpreted
 
+from vllm_dspark.capacity.controller import StepPlan
+
 K = 7
 
 
@@ -56,19 +58,19 @@ def test_interpreted_kernel_path_writes_the_same_batch(speculator):
 
 
 def check_compacted_batch(speculator):
-    from vllm_dspark.patches.compact_verification import compact_input_batch
+    from vllm_dspark.verify.layout import compact_input_batch
 
     num_reqs = 3
     batch, buffers = uniform_batch(num_reqs, computed=[10, 20, 30])
     batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)  # request slots
     batch.idx_mapping_np = batch.idx_mapping.numpy()
     # Slot 5 is confident, slot 2 not at all, slot 9 in between.
-    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
-    speculator.slot_survival[2] = torch.full((K,), 0.01)
-    speculator.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
-    budget = speculator.admission_budget(num_reqs)  # ceil(3 * 7 * 0.25) = 6
+    speculator.controller.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.controller.slot_survival[2] = torch.full((K,), 0.01)
+    speculator.controller.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
+    budget = speculator.controller.admission_budget(num_reqs)  # ceil(3 * 7 * 0.25) = 6
     assert budget == 6
-    compact = compact_input_batch(runner_with(speculator, buffers), batch, budget)
+    compact = compact_input_batch(runner_with(speculator, buffers), batch, StepPlan(budget))
     # Best 6: slot 5's first five (0.99 .. 0.93 > 0.5) and slot 9's first (0.95).
     lengths = [1 + 5, 1 + 0, 1 + 1]
     assert compact.num_tokens == num_reqs + budget == sum(lengths)
@@ -82,24 +84,27 @@ def check_compacted_batch(speculator):
     assert compact.expanded_local_pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 1]
     assert compact.logits_indices.tolist() == list(range(9))
     assert compact.num_draft_tokens == budget
-    assert speculator.drafts_admitted == budget and speculator.drafts_proposed == num_reqs * K
-    assert (speculator.compacted_steps, speculator.graph_steps) == (1, 0)
+    assert (
+        speculator.controller.drafts_admitted == budget
+        and speculator.controller.drafts_proposed == num_reqs * K
+    )
+    assert (speculator.controller.compacted_steps, speculator.controller.graph_steps) == (1, 0)
 
 
 def test_drafts_a_request_cannot_emit_before_max_tokens_go_to_the_others(speculator):
-    from vllm_dspark.patches.compact_verification import compact_input_batch
+    from vllm_dspark.verify.layout import compact_input_batch
 
     batch, buffers = uniform_batch(3, computed=[10, 20, 30])
     batch.idx_mapping = torch.tensor([5, 2, 9], dtype=torch.int32)
     batch.idx_mapping_np = batch.idx_mapping.numpy()
-    speculator.slot_survival[[5, 2, 9]] = torch.linspace(0.99, 0.9, K)  # alike
+    speculator.controller.slot_survival[[5, 2, 9]] = torch.linspace(0.99, 0.9, K)  # alike
     # Slot 5 (11 tokens so far) may reach 13: two more, one of them the bonus token, so one
     # draft of use. Slot 2 (21 so far) was finished by the step before (async scheduling
     # still scheduled it): none. Slot 9 may grow past this step.
     runner = runner_with(speculator, buffers)
     runner.req_states.max_seq_len[[5, 2, 9]] = [13, 20, 1000]
-    budget = speculator.admission_budget(3)  # ceil(3 * 7 * 0.25) = 6
-    compact = compact_input_batch(runner, batch, budget)
+    budget = speculator.controller.admission_budget(3)  # ceil(3 * 7 * 0.25) = 6
+    compact = compact_input_batch(runner, batch, StepPlan(budget))
     # Without the caps each would verify 2 drafts; capped, slot 9 takes the rest.
     assert compact.cu_num_logits.tolist() == [0, 2, 3, 9]
     assert compact.num_tokens == 3 + budget
@@ -113,6 +118,7 @@ def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_s
     import dataclasses
 
     from vllm_dspark.patches import compact_verification as patch
+    from vllm_dspark.verify.layout import masked_input_batch
 
     speculator = plugin_speculator(
         dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=False
@@ -127,11 +133,11 @@ def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_s
         logits_indices=torch.arange(uniform),  # every token's logits, as for decode
     )
     inputs_before = [t.clone() for t in (buffers.input_ids, buffers.positions, buffers.seq_lens)]
-    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
-    speculator.slot_survival[2] = torch.full((K,), 0.01)
-    speculator.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
-    budget = speculator.admission_budget(num_reqs)
-    masked = patch.masked_input_batch(runner_with(speculator, buffers), batch, budget)
+    speculator.controller.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.controller.slot_survival[2] = torch.full((K,), 0.01)
+    speculator.controller.slot_survival[9] = torch.tensor([0.95, 0.5, 0.1, 0.05, 0.04, 0.03, 0.02])
+    budget = speculator.controller.admission_budget(num_reqs)
+    masked = masked_input_batch(runner_with(speculator, buffers), batch, StepPlan(budget, True))
     # As compacted: slot 5 verifies 5 drafts, slot 2 none, slot 9 one.
     assert masked.cu_num_logits.tolist() == [0, 6, 7, 9]
     assert masked.expanded_idx_mapping.tolist() == [5] * 6 + [2] + [9] * 2
@@ -142,8 +148,11 @@ def test_a_masked_batch_runs_every_draft_and_verifies_the_admitted_ones(plugin_s
     assert masked.num_tokens == uniform
     after = (buffers.input_ids, buffers.positions, buffers.seq_lens)
     assert all(torch.equal(a, b) for a, b in zip(after, inputs_before, strict=True))
-    assert speculator.masked_drafts.tolist() == [K - 5, K, K - 1]
-    assert speculator.drafts_admitted == budget and speculator.compacted_steps == 1
+    assert speculator.controller.masked_drafts.tolist() == [K - 5, K, K - 1]
+    assert (
+        speculator.controller.drafts_admitted == budget
+        and speculator.controller.compacted_steps == 1
+    )
     # The step's sampling counts them rejected, once.
     runner = SimpleNamespace(speculator=speculator)
 
@@ -163,12 +172,10 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
     speculator = plugin_speculator(
         dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=False
     )
-    seen = run_decode_step(
-        speculator, lambda: (patch._step_budget_var.get(), patch._step_mask_var.get())
-    )
-    assert seen == (None, 4)  # ceil(2 * 7 * 0.25) verified, nothing compacted
-    assert speculator.step_tokens == 2 * (1 + K)
-    assert patch._step_mask_var.get() is None  # reset after the step
+    seen = run_decode_step(speculator, patch._step_plan_var.get)
+    assert seen == StepPlan(4, masked=True)  # ceil(2 * 7 * 0.25) verified, nothing compacted
+    assert speculator.controller.step_tokens == 2 * (1 + K)
+    assert patch._step_plan_var.get() is None  # reset after the step
 
 
 @pytest.mark.parametrize(
@@ -183,7 +190,7 @@ def test_a_step_is_marked_compacted_for_the_overhead_fit(plugin_speculator, opti
     """The step overhead times compacted steps apart (their premium C,
     capacity/step_overhead.py): only a step whose batch is rewritten counts as one."""
     speculator = plugin_speculator(dspark_capacity="budget", **options)
-    assert run_decode_step(speculator, lambda: speculator.step_compacted) is compacted
+    assert run_decode_step(speculator, lambda: speculator.controller.step_compacted) is compacted
 
 
 def run_decode_step(speculator, observe):
@@ -211,11 +218,18 @@ def scheduler_output(counts, drafts, structured=False, new=()):
         scheduled_spec_decode_tokens=drafts,
         has_structured_output_requests=structured,
         scheduled_new_reqs=list(new),
+        num_spec_tokens_to_schedule=K,
     )
 
 
+def plan_step(runner, scheduler_output):
+    """The controller's plan for a scheduled step, as the execute wrapper asks for it."""
+    from vllm_dspark.verify.layout import step_facts
+
+    return runner.speculator.controller.plan_step(step_facts(runner, scheduler_output))
+
+
 def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
-    from vllm_dspark.patches.compact_verification import _step_budget
 
     runner = SimpleNamespace(
         speculator=speculator,
@@ -224,22 +238,21 @@ def test_only_decode_steps_without_host_side_layouts_are_compacted(speculator):
     )
     decode = {"a": 1 + K}
     drafts = {"a": [-1] * K}
-    assert _step_budget(runner, scheduler_output(decode, drafts)).drafts == 2  # ceil(7 * 0.25)
+    assert plan_step(runner, scheduler_output(decode, drafts)).budget == 2  # ceil(7 * 0.25)
     # A prefill in the batch, structured output, or a request asking for logprobs: no.
-    assert _step_budget(runner, scheduler_output({"a": 1 + K, "b": 40}, drafts)) is None
-    assert _step_budget(runner, scheduler_output(decode, drafts, structured=True)) is None
+    assert plan_step(runner, scheduler_output({"a": 1 + K, "b": 40}, drafts)) is None
+    assert plan_step(runner, scheduler_output(decode, drafts, structured=True)) is None
     both = {"a": 1 + K, "b": 1 + K}
-    assert _step_budget(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
-    assert _step_budget(runner, scheduler_output({}, {})) is None
+    assert plan_step(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
+    assert plan_step(runner, scheduler_output({}, {})) is None
     # A new or resumed request whose prompt is cached but for one token: vLLM pads it to
     # 1 + K with placeholder drafts, and the runner has no slot for it yet.
     padded = {"a": 1 + K, "new": 1 + K}
     new_drafts = {"a": [-1] * K, "new": [-1] * K}
-    assert _step_budget(runner, scheduler_output(padded, new_drafts, new=["new"])) is None
+    assert plan_step(runner, scheduler_output(padded, new_drafts, new=["new"])) is None
 
 
 def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plugin_speculator):
-    from vllm_dspark.patches.compact_verification import StepBudget, _step_budget
 
     # Mixed steps are on by default with compact verification.
     speculator = plugin_speculator(
@@ -255,9 +268,9 @@ def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plu
     # Two decoding requests, a new one's prompt (40 tokens) and another's chunk (30):
     # 2 * 8 + 70 tokens, 4 drafts verified of 14, so 10 fewer.
     counts = {"a": 1 + K, "b": 1 + K, "new": 40, "c": 30}
-    step = _step_budget(runner, scheduler_output(counts, drafts, new=["new"]))
-    assert step == StepBudget(4, (2, 2 * (1 + K) + 70 - 10))
-    assert speculator.step_tokens is None  # a step with prompts is off the SPS curve
+    step = plan_step(runner, scheduler_output(counts, drafts, new=["new"]))
+    assert step == StepPlan(4, mixed=(2, 2 * (1 + K) + 70 - 10))
+    assert speculator.controller.step_tokens is None  # a step with prompts is off the SPS curve
     # Turned off, such a step verifies all K drafts.
     unmixed = SimpleNamespace(**vars(runner))
     unmixed.speculator = plugin_speculator(
@@ -266,14 +279,14 @@ def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plu
         dspark_varlen_verify=True,
         dspark_mixed_steps=False,
     )
-    assert _step_budget(unmixed, scheduler_output(counts, drafts, new=["new"])) is None
+    assert plan_step(unmixed, scheduler_output(counts, drafts, new=["new"])) is None
     # Still uncompacted: a request wanting logprobs (host-side layout), old or new; a prompt
     # chunk of exactly 1 + K tokens (vLLM would sort it among the decoding ones), a
     # request with some drafts but not K, or no decoding request at all.
     logprobs_new = SimpleNamespace(
         req_id="new", sampling_params=SimpleNamespace(logprobs=2, prompt_logprobs=None)
     )
-    assert _step_budget(runner, scheduler_output(counts, drafts, new=[logprobs_new])) is None
+    assert plan_step(runner, scheduler_output(counts, drafts, new=[logprobs_new])) is None
     # vLLM's own parameters: logprobs of chosen token ids count too; none, compacted.
     from vllm import SamplingParams
 
@@ -283,21 +296,19 @@ def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plu
         (SamplingParams(), True),
     ]:
         new = SimpleNamespace(req_id="new", sampling_params=params)
-        step = _step_budget(runner, scheduler_output(counts, drafts, new=[new]))
+        step = plan_step(runner, scheduler_output(counts, drafts, new=[new]))
         assert (step is not None) == compacted, params
     logprobs.add(2)  # request c
-    assert _step_budget(runner, scheduler_output(counts, drafts, new=["new"])) is None
+    assert plan_step(runner, scheduler_output(counts, drafts, new=["new"])) is None
     logprobs.clear()
-    assert _step_budget(runner, scheduler_output(counts | {"c": 1 + K}, drafts)) is None
+    assert plan_step(runner, scheduler_output(counts | {"c": 1 + K}, drafts)) is None
     short = drafts | {"c": [-1] * 2}
-    assert _step_budget(runner, scheduler_output(counts | {"c": 3}, short)) is None
-    assert _step_budget(runner, scheduler_output({"new": 40}, {}, new=["new"])) is None
+    assert plan_step(runner, scheduler_output(counts | {"c": 3}, short)) is None
+    assert plan_step(runner, scheduler_output({"new": 40}, {}, new=["new"])) is None
     # A new request padded to decode shape (its placeholder drafts never proposed) is a
     # prompt request here: it has drafts, so the step stays uncompacted.
     padded = drafts | {"new": [-1] * K}
-    assert (
-        _step_budget(runner, scheduler_output(counts | {"new": 1 + K}, padded, new=["new"])) is None
-    )
+    assert plan_step(runner, scheduler_output(counts | {"new": 1 + K}, padded, new=["new"])) is None
 
 
 def test_mixed_steps_need_compact_verification():
@@ -331,7 +342,7 @@ def compact_mixed(speculator, computed: list[int], prompts: list[tuple[int, int]
     compact batch, the buffers and the stock per-request (ids, positions, seq_len)."""
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
-    from vllm_dspark.patches import compact_verification as patch
+    from vllm_dspark.verify.layout import compact_input_batch
 
     decodes, num_reqs = len(computed), len(computed) + len(prompts)
     lengths = [1 + K] * decodes + [n for _, n in prompts]
@@ -360,13 +371,10 @@ def compact_mixed(speculator, computed: list[int], prompts: list[tuple[int, int]
         )
         for r in range(num_reqs)
     ]
-    budget = speculator.admission_budget(decodes)
+    budget = speculator.controller.admission_budget(decodes)
     num_tokens = total - (decodes * K - budget)
-    token = patch._mixed_step_var.set((decodes, num_tokens))
-    try:
-        compact = patch.compact_input_batch(runner_with(speculator, buffers), batch, budget)
-    finally:
-        patch._mixed_step_var.reset(token)
+    plan = StepPlan(budget, mixed=(decodes, num_tokens))
+    compact = compact_input_batch(runner_with(speculator, buffers), batch, plan)
     return compact, buffers, stock
 
 
@@ -375,8 +383,8 @@ def test_a_mixed_step_compacts_its_decoding_requests_and_moves_the_prompts_up(mi
     tokens: the decoding ones keep 1 + k_r tokens, the prompt's tokens, its one logit and
     its query offsets move up by the drafts dropped; its sequence length stays."""
     speculator = mixed_speculator
-    speculator.slot_survival[5] = torch.linspace(0.99, 0.9, K)
-    speculator.slot_survival[2] = torch.full((K,), 0.01)
+    speculator.controller.slot_survival[5] = torch.linspace(0.99, 0.9, K)
+    speculator.controller.slot_survival[2] = torch.full((K,), 0.01)
     # ceil(2 * 7 * 0.25) = 4 drafts: slot 5's first four, none of slot 2's.
     compact, buffers, _ = compact_mixed(speculator, [10, 20], [(50, 5)], [5, 2, 9])
     num_tokens = (1 + 4) + 1 + 5
@@ -392,8 +400,11 @@ def test_a_mixed_step_compacts_its_decoding_requests_and_moves_the_prompts_up(mi
     assert compact.expanded_local_pos.tolist() == [0, 1, 2, 3, 4, 0, 0]
     assert compact.num_draft_tokens == 4
     # Admission counted over the decoding requests alone.
-    assert speculator.drafts_proposed == 2 * K and speculator.drafts_admitted == 4
-    assert (speculator.compacted_steps, speculator.mixed_steps) == (1, 1)
+    assert (
+        speculator.controller.drafts_proposed == 2 * K
+        and speculator.controller.drafts_admitted == 4
+    )
+    assert (speculator.controller.compacted_steps, speculator.controller.mixed_steps) == (1, 1)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -413,12 +424,12 @@ def test_every_mixed_batch_keeps_each_requests_leading_tokens_in_order(mixed_spe
     ]
     slots = torch.randperm(16, generator=gen)[: decodes + len(prompts)].tolist()
     survival = torch.rand(16, K, generator=gen).sort(dim=1, descending=True).values
-    mixed_speculator.slot_survival[:16] = survival
+    mixed_speculator.controller.slot_survival[:16] = survival
     computed = torch.randint(0, 50, (decodes,), generator=gen).tolist()
     compact, buffers, stock = compact_mixed(mixed_speculator, computed, prompts, slots)
     kept = (compact.cu_num_logits[1:] - compact.cu_num_logits[:-1]).tolist()
     k = [n - 1 for n in kept[:decodes]]
-    assert sum(k) == mixed_speculator.admission_budget(decodes) and max(k) <= K
+    assert sum(k) == mixed_speculator.controller.admission_budget(decodes) and max(k) <= K
     assert kept[decodes:] == [1] * len(prompts)
     lengths = [1 + k_r for k_r in k] + [len(ids) for ids, _, _ in stock[decodes:]]
     ids = [t for (tokens, _, _), n in zip(stock, lengths, strict=True) for t in tokens[:n]]
@@ -438,7 +449,6 @@ def test_every_mixed_batch_keeps_each_requests_leading_tokens_in_order(mixed_spe
 
 
 def test_a_step_admitting_every_draft_runs_uncompacted(plugin_speculator):
-    from vllm_dspark.patches.compact_verification import _step_budget
 
     full = plugin_speculator(dspark_capacity="budget", dspark_budget_frac=1.0)
     runner = SimpleNamespace(
@@ -447,10 +457,10 @@ def test_a_step_admitting_every_draft_runs_uncompacted(plugin_speculator):
         sampler=SimpleNamespace(returns_logprobs=lambda slots: False),
     )
     both = {"a": 1 + K, "b": 1 + K}
-    assert _step_budget(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
+    assert plan_step(runner, scheduler_output(both, {"a": [-1] * K, "b": [-1] * K})) is None
     # Counted as admitted on the host; no compacted step.
-    assert (full.drafts_proposed, full.drafts_admitted) == (2 * K, 2 * K)
-    assert full.compacted_steps == 0
+    assert (full.controller.drafts_proposed, full.controller.drafts_admitted) == (2 * K, 2 * K)
+    assert full.controller.compacted_steps == 0
 
 
 def test_stale_record_reads_the_proposal_before_the_last():
@@ -485,15 +495,15 @@ def test_threshold_and_sps_budgets_follow_the_previous_proposal(plugin_speculato
     speculator = plugin_speculator(**options)
     survival = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.01]).repeat(4, 1)
     # Before two proposals: the cap, R * K (budget_frac 1).
-    assert speculator.admission_budget(4) == 4 * K
+    assert speculator.controller.admission_budget(4) == 4 * K
     for _ in range(2):
-        speculator.record_proposal(survival)
-    assert speculator.admission_budget(4) == 4 * wanted
-    assert speculator.admission_budget(8) == 8 * wanted  # scaled to the batch
+        speculator.controller.record_proposal(survival)
+    assert speculator.controller.admission_budget(4) == 4 * wanted
+    assert speculator.controller.admission_budget(8) == 8 * wanted  # scaled to the batch
 
 
 def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
-    from vllm_dspark.patches import calibrated_synthetic
+    from vllm_dspark.bench import synthetic_acceptance
 
     def all_accepted(
         target_logits,
@@ -515,12 +525,12 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
         num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
         return "sampled", (num_verified + 1).to(torch.int32)
 
-    speculator = SimpleNamespace(slot_survival=torch.zeros(4, K))
-    speculator.slot_survival[1] = 1.0  # slot 1: every draft sure to pass
-    speculator.slot_survival[3, :2] = 1.0  # slot 3: two sure drafts, then none
-    speculator.slot_survival[2] = 0.5 ** torch.arange(1, K + 1)  # slot 2: each draft 1/2
-    calibrated_synthetic._speculator = lambda: speculator
-    wrapped = calibrated_synthetic._make_wrapper(all_accepted)
+    speculator = SimpleNamespace(controller=SimpleNamespace(slot_survival=torch.zeros(4, K)))
+    speculator.controller.slot_survival[1] = 1.0  # slot 1: every draft sure to pass
+    speculator.controller.slot_survival[3, :2] = 1.0  # slot 3: two sure drafts, then none
+    speculator.controller.slot_survival[2] = 0.5 ** torch.arange(1, K + 1)  # slot 2: each draft 1/2
+    synthetic_acceptance._speculator = lambda: speculator
+    wrapped = synthetic_acceptance._make_wrapper(all_accepted)
     seeds = torch.tensor([11, 12, 13, 14])  # per slot
 
     def verify(cu, slots, first_positions):
@@ -545,7 +555,7 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
     # Other positions draw anew: over many, each draft passes about half the time.
     lengths = [verify(torch.tensor([0, 8]), [2], [p])[0] - 1 for p in range(0, 4000, 8)]
     assert sum(length >= 1 for length in lengths) / len(lengths) == pytest.approx(0.5, abs=0.07)
-    calibrated_synthetic._speculator = None
+    synthetic_acceptance._speculator = None
 
 
 def position_record(num_verified: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
@@ -655,8 +665,8 @@ def test_masked_sps_verifies_the_drafts_a_compacted_step_would_leave_out(plugin_
             dspark_varlen_verify=varlen,
         )
         for _ in range(2):
-            speculator.record_proposal(survival)
-        budgets[varlen] = speculator.admission_budget(64)
+            speculator.controller.record_proposal(survival)
+        budgets[varlen] = speculator.controller.admission_budget(64)
     assert budgets[True] <= 64 * 3 and budgets[False] == 64 * K
 
 
@@ -673,7 +683,10 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
     # sps_curve=auto on this CPU platform, which captures no CUDA graph to profile (as
     # enforce_eager on a GPU): acceptance is not refused, it follows the length rule.
     length_rule = speculator()
-    assert not length_rule.needs_sps_profile and length_rule.sps_table_host is None
+    assert (
+        not length_rule.controller.needs_sps_profile
+        and length_rule.controller.sps_table_host is None
+    )
     # A curve that collapses beyond 6 tokens per step (3 requests, one draft each).
     compute_bound = speculator(
         dspark_sps_curve=[[1, 1000.0], [6, 100.0], [9, 10.0], [64, 1.0]],
@@ -682,26 +695,26 @@ def test_dflash_acceptance_mode_verifies_one_depth_for_all(plugin_speculator):
     # The budget reads the step before the last: the first two see no counts (depth K at
     # first for the length rule; on the collapsing curve one draft is best from the start).
     for control, expected in ((length_rule, [K, K, 2]), (compute_bound, [1, 1, 1])):
-        assert control.controls_capacity
+        assert control.controller.controls_capacity
         budgets = []
         for _ in range(3):
-            budgets.append(control.admission_budget(3))
-            control.record_verification(counts)
+            budgets.append(control.controller.admission_budget(3))
+            control.controller.record_verification(counts)
         assert budgets == [3 * depth for depth in expected]
-        depths = control.verify_capacity(torch.tensor([4, 0, 9]), budgets[-1])
+        depths = control.controller.verify_capacity(torch.tensor([4, 0, 9]), budgets[-1])
         assert depths.tolist() == [expected[-1]] * 3
     # Fitting the step's overhead, one step in EXPLORE_EVERY verifies half the depth: still
     # one depth for every request. Steps of fewer than EXPLORE_MIN_DRAFTS drafts never do,
     # nor count toward the next that does.
-    from vllm_dspark.capacity.control import EXPLORE_EVERY, EXPLORE_MIN_DRAFTS
+    from vllm_dspark.capacity.controller import EXPLORE_EVERY, EXPLORE_MIN_DRAFTS
 
     flat = speculator(dspark_sps_curve=[[1, 100.0], [64, 100.0]])
-    assert flat.step_overhead.measuring
+    assert flat.controller.step_overhead.measuring
     small = EXPLORE_MIN_DRAFTS // K
     assert small * K < EXPLORE_MIN_DRAFTS <= (small + 1) * K
-    budgets = [flat.admission_budget(small) for _ in range(2 * EXPLORE_EVERY)]
+    budgets = [flat.controller.admission_budget(small) for _ in range(2 * EXPLORE_EVERY)]
     assert budgets == [small * K] * (2 * EXPLORE_EVERY)
-    budgets = [flat.admission_budget(small + 1) for _ in range(EXPLORE_EVERY)]
+    budgets = [flat.controller.admission_budget(small + 1) for _ in range(EXPLORE_EVERY)]
     assert budgets == [(small + 1) * K] * (EXPLORE_EVERY - 1) + [(small + 1) * (K // 2)]
 
 
@@ -713,12 +726,12 @@ def test_acceptance_ranks_fed_alike_pick_alike(plugin_speculator):
     gen, depths = torch.Generator().manual_seed(5), []
     for step in range(40):
         num_reqs = 1 + step % 5 * 60
-        decisions = [rank.admission_budget(num_reqs) for rank in ranks]
+        decisions = [rank.controller.admission_budget(num_reqs) for rank in ranks]
         assert decisions[0] == decisions[1], step
         depths.append(decisions[0] // num_reqs)
         counts = position_record(*verify_geometric(depths[-1], num_reqs, 0.7, gen))
         for rank in ranks:
-            rank.record_verification(counts)
+            rank.controller.record_verification(counts)
     assert len(set(depths)) > 1
 
 
@@ -735,10 +748,10 @@ def test_ranks_fed_alike_decide_alike(plugin_speculator):
         survival = torch.cumprod(torch.randint(5, 11, (4, K), generator=gen) / 10.0, dim=1)
         decisions = []
         for rank in ranks:
-            budget = rank.admission_budget(len(slots))
-            rank.slot_survival[slots] = survival
-            decisions.append((budget, rank.verify_capacity(slots, budget)))
-            rank.record_proposal(survival)
+            budget = rank.controller.admission_budget(len(slots))
+            rank.controller.slot_survival[slots] = survival
+            decisions.append((budget, rank.controller.verify_capacity(slots, budget)))
+            rank.controller.record_proposal(survival)
         (budget_a, capacity_a), (budget_b, capacity_b) = decisions
         assert budget_a == budget_b and torch.equal(capacity_a, capacity_b), step
 
@@ -783,11 +796,12 @@ def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compac
 ):
     from vllm.config.compilation import CUDAGraphMode
 
+    from vllm_dspark.patches import compact_graphs as graphs_patch
     from vllm_dspark.patches import compact_verification as patch
 
-    monkeypatch.setattr(patch, "replays_varlen_graphs", lambda vllm_config: True)
+    monkeypatch.setattr(graphs_patch, "replays_varlen_graphs", lambda vllm_config: True)
     manager = fake_graph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
-    patch._make_candidates_wrapper(lambda m: None)(manager)
+    graphs_patch._make_candidates_wrapper(lambda m: None)(manager)
     full = manager._capture_descs[CUDAGraphMode.FULL]
     assert [(d.num_tokens, d.uniform_token_count) for d in full] == [
         (32, None),
@@ -795,7 +809,7 @@ def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compac
         (16, None),
         (8, None),
     ]
-    compact = getattr(manager, patch.COMPACT_GRAPHS_ATTR)
+    compact = getattr(manager, graphs_patch.COMPACT_GRAPHS_ATTR)
     manager.graphs = dict.fromkeys(full)  # captured
 
     calls = []
@@ -807,13 +821,13 @@ def test_compact_graphs_are_captured_beside_vllms_and_dispatched_only_for_compac
     dispatch = patch._make_dispatch_wrapper(stock_dispatch)
     # Not a compacted step: vLLM's dispatch, untouched.
     assert dispatch(manager, 2, 16, 1 + K, 1, 0, need_eager=False)[0] == "stock"
-    token = patch._step_budget_var.set(5)  # 2 requests, 5 drafts admitted: 7 tokens
+    token = patch._step_plan_var.set(StepPlan(5))  # 2 requests, 5 drafts admitted: 7 tokens
     try:
         assert dispatch(manager, 2, 16, 1 + K, 1, 0, need_eager=False) == (compact[0], None)
         # Profiling runs eager: vLLM's dispatch, for the compact token count.
         assert dispatch(manager, 2, 16, 1 + K, 1, 0, need_eager=True)[0] == "stock"
     finally:
-        patch._step_budget_var.reset(token)
+        patch._step_plan_var.reset(token)
     assert calls == [(2, 16, 1 + K), (2, 7, None)]
 
 
@@ -824,15 +838,15 @@ def test_compact_graphs_are_captured_on_queries_as_long_as_a_compacted_steps(mon
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
-    from vllm_dspark.patches import compact_verification as patch
+    from vllm_dspark.patches import compact_graphs as graphs_patch
 
-    monkeypatch.setattr(patch, "replays_varlen_graphs", lambda vllm_config: True)
+    monkeypatch.setattr(graphs_patch, "replays_varlen_graphs", lambda vllm_config: True)
     stock_make_dummy = InputBatch.make_dummy.__func__
-    wrapped = classmethod(patch._make_dummy_batch_wrapper(stock_make_dummy))
+    wrapped = classmethod(graphs_patch._make_dummy_batch_wrapper(stock_make_dummy))
     monkeypatch.setattr(InputBatch, "make_dummy", wrapped)
     manager = fake_graph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
-    patch._make_candidates_wrapper(lambda m: None)(manager)
-    compact = getattr(manager, patch.COMPACT_GRAPHS_ATTR)
+    graphs_patch._make_candidates_wrapper(lambda m: None)(manager)
+    compact = getattr(manager, graphs_patch.COMPACT_GRAPHS_ATTR)
     buffers = InputBuffers(max_num_reqs=4, max_num_tokens=32, device=torch.device("cpu"))
     layouts = {}
 
@@ -848,7 +862,7 @@ def test_compact_graphs_are_captured_on_queries_as_long_as_a_compacted_steps(mon
         for desc in manager._capture_descs[CUDAGraphMode.FULL]:
             create_forward_fn(desc, warmup=False)
 
-    patch._make_capture_wrapper(stock_capture)(manager, create_forward_fn)
+    graphs_patch._make_capture_wrapper(stock_capture)(manager, create_forward_fn)
     by_size = {(desc.num_tokens, desc in compact): layout for desc, layout in layouts.items()}
     assert by_size == {
         (32, True): [8, 8, 8, 8],
@@ -869,13 +883,13 @@ def test_no_compact_graphs_without_full_decode_graphs_fa3_or_with_data_paralleli
 ):
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_dspark.patches import compact_verification as patch
+    from vllm_dspark.patches import compact_graphs as graphs_patch
 
-    monkeypatch.setattr(patch, "replays_varlen_graphs", lambda vllm_config: fa3)
+    monkeypatch.setattr(graphs_patch, "replays_varlen_graphs", lambda vllm_config: fa3)
     manager = fake_graph_manager(CUDAGraphMode[mode], dp_size)
-    patch._make_candidates_wrapper(lambda m: None)(manager)
+    graphs_patch._make_candidates_wrapper(lambda m: None)(manager)
     assert len(manager._capture_descs[CUDAGraphMode.FULL]) == 1
-    assert not hasattr(manager, patch.COMPACT_GRAPHS_ATTR)
+    assert not hasattr(manager, graphs_patch.COMPACT_GRAPHS_ATTR)
 
 
 def test_sps_auto_is_refused_where_no_full_decode_graph_will_be_captured(plugin_speculator):
@@ -886,16 +900,31 @@ def test_sps_auto_is_refused_where_no_full_decode_graph_will_be_captured(plugin_
         plugin_speculator(dspark_capacity="sps")
 
 
+def test_a_profiled_curve_handed_over_ends_the_need_for_a_profile(plugin_speculator):
+    controller = plugin_speculator(dspark_capacity="acceptance").controller
+    assert controller.needs_sps_profile is False  # no FULL graphs on this CPU platform
+    controller.needs_sps_profile = True  # as with sps_curve=auto on a GPU with graphs
+    controller.set_sps_curve([[8, 250.0], [64, 125.0]], torch.device("cpu"), profiled=True)
+    assert not controller.needs_sps_profile
+    assert controller.profiled_sps_curve == [[8, 250.0], [64, 125.0]]
+
+
 def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     from vllm_dspark.capacity.allocation import sps_table_from_curve
     from vllm_dspark.patches import sps_autoprofile
 
     curves, draft_costs = [], []
+
+    def set_sps_curve(curve, device, profiled):
+        curves.append((curve, profiled))
+        controller.needs_sps_profile = False  # as the controller's own does (test below)
+
+    controller = SimpleNamespace(
+        needs_sps_profile=True, set_sps_curve=set_sps_curve, set_draft_cost=draft_costs.append
+    )
     speculator = SimpleNamespace(
-        needs_sps_profile=True,
-        set_sps_curve=lambda curve, device, profiled: curves.append((curve, profiled)),
+        controller=controller,
         draft_graph_managers=lambda: {1: "depth-1 graphs", 7: "draft graphs"},
-        set_draft_cost=draft_costs.append,
     )
     runner = SimpleNamespace(speculator=speculator, device="cpu")
     monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [(8, 4.0), (64, 8.0)])
@@ -910,12 +939,12 @@ def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     assert curves == [([[8, 250.0], [64, 125.0]], True)]
     # Each depth's draft graphs, timed the same way.
     assert draft_costs == [{1: [(1, 0.2)], 7: [(1, 0.5), (8, 1.0)]}]
-    assert not speculator.needs_sps_profile
+    assert not speculator.controller.needs_sps_profile
     assert capture(runner) == 123 and len(curves) == 1  # once
     table = sps_table_from_curve(curves[0][0], 64)
     assert table[36].item() == pytest.approx(187.5)
     # No graph to time: a start-up error naming the option.
-    speculator.needs_sps_profile = True
+    speculator.controller.needs_sps_profile = True
     monkeypatch.setattr(sps_autoprofile, "time_target_steps", lambda r: [])
     with pytest.raises(Exception, match="sps_curve='auto'"):
         capture(runner)
@@ -1008,7 +1037,7 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(plugin_speculator,
     from vllm_dspark.patches import admission_metrics
 
     # A compacted step admitted 5, 0 and 2 of 7 drafts.
-    speculator.record_admission(["a", "b", "c"], 7, True, torch.tensor([5, 0, 2]))
+    speculator.controller.record_admission(["a", "b", "c"], 7, True, torch.tensor([5, 0, 2]))
 
     class Async:
         def get_output(self):
@@ -1016,21 +1045,21 @@ def test_vllms_draft_token_counters_count_the_admitted_drafts(plugin_speculator,
 
     # The step's admissions are folded as it is prepared, on every rank (only one rank's
     # output reaches the scheduler): no get_output needed.
-    fingerprint = speculator.admission_fingerprint
+    fingerprint = speculator.controller.admission_fingerprint
     assert fingerprint != 0
     runner = SimpleNamespace(speculator=speculator)
     sample = admission_metrics._make_sample_tokens_wrapper(lambda runner: Async())
     output = sample(runner).get_output()
     assert output.dspark_not_admitted == {"a": 2, "b": 7, "c": 5}
-    assert speculator.admission_fingerprint == fingerprint
+    assert speculator.controller.admission_fingerprint == fingerprint
     other = plugin_speculator(dspark_capacity="budget")
-    other.fold_fingerprint(torch.tensor([5, 0, 2]))
-    assert other.admission_fingerprint == fingerprint
-    other.fold_fingerprint(torch.tensor([5, 0, 2]))
-    assert other.admission_fingerprint != fingerprint
+    other.controller.fold_fingerprint(torch.tensor([5, 0, 2]))
+    assert other.controller.admission_fingerprint == fingerprint
+    other.controller.fold_fingerprint(torch.tensor([5, 0, 2]))
+    assert other.controller.admission_fingerprint != fingerprint
     swapped = plugin_speculator(dspark_capacity="budget")
-    swapped.fold_fingerprint(torch.tensor([0, 5, 2]))  # same counts, other requests
-    assert swapped.admission_fingerprint != fingerprint
+    swapped.controller.fold_fingerprint(torch.tensor([0, 5, 2]))  # same counts, other requests
+    assert swapped.controller.admission_fingerprint != fingerprint
     assert sample(runner).get_output() is not None  # the next step had no compaction
     assert not hasattr(sample(runner).get_output(), "dspark_not_admitted")
 
@@ -1111,7 +1140,7 @@ def test_acceptance_varies_its_depth_only_where_the_draft_time_could_move_it(plu
     step in EXPLORE_EVERY) only at a load where DRAFT_TIME_DOUBT more per verified draft
     would change the depth it picks: on a flat curve at 5 requests accepting 0.8 a
     position, K either way; at 64 requests accepting 0.5, K against 3."""
-    from vllm_dspark.capacity.control import EXPLORE_EVERY
+    from vllm_dspark.capacity.controller import EXPLORE_EVERY
 
     def fitted(rate: float):
         speculator = plugin_speculator(
@@ -1122,15 +1151,17 @@ def test_acceptance_varies_its_depth_only_where_the_draft_time_could_move_it(plu
         )
         gen = torch.Generator().manual_seed(1)
         for _ in range(200):
-            speculator.record_verification(position_record(*verify_geometric(K, 8, rate, gen)))
-            speculator._observe_acceptance()
-        speculator.step_overhead.ready = True  # fitted: O = a = b = 0
+            speculator.controller.record_verification(
+                position_record(*verify_geometric(K, 8, rate, gen))
+            )
+            speculator.controller._observe_acceptance()
+        speculator.controller.step_overhead.ready = True  # fitted: O = a = b = 0
         return speculator
 
     light = fitted(0.8)
-    assert not light._depth_hinges_on_draft_time(5)
-    assert {light.admission_budget(5) for _ in range(2 * EXPLORE_EVERY)} == {5 * K}
+    assert not light.controller._depth_hinges_on_draft_time(5)
+    assert {light.controller.admission_budget(5) for _ in range(2 * EXPLORE_EVERY)} == {5 * K}
     loaded = fitted(0.5)
-    assert loaded._depth_hinges_on_draft_time(64)
-    budgets = [loaded.admission_budget(64) for _ in range(EXPLORE_EVERY)]
+    assert loaded.controller._depth_hinges_on_draft_time(64)
+    budgets = [loaded.controller.admission_budget(64) for _ in range(EXPLORE_EVERY)]
     assert budgets == [64 * K] * (EXPLORE_EVERY - 1) + [64 * (K // 2)]

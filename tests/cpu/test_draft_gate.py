@@ -134,12 +134,15 @@ def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(s
     from vllm_dspark.metrics import _worker_gate_inputs
 
     speculator = sps_speculator()
-    assert speculator.plan_proposal(16, K)  # no profiled draft cost: always draft
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
-    assert speculator.plan_proposal(16, K)  # survivals not seen yet: optimistic
+    assert speculator.controller._decide_drafting(16, K)  # no profiled draft cost: always draft
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
+    assert speculator.controller._decide_drafting(16, K)  # survivals not seen yet: optimistic
     for _ in range(2):  # proposals whose drafts are rarely accepted
-        speculator.record_proposal(torch.full((16, K), 0.05))
-    assert not speculator.plan_proposal(16, K) and speculator.proposals_skipped == 1
+        speculator.controller.record_proposal(torch.full((16, K), 0.05))
+    assert (
+        not speculator.controller._decide_drafting(16, K)
+        and speculator.controller.proposals_skipped == 1
+    )
     # What the benchmarks report of it: closed, on these survivals and costs.
     worker = SimpleNamespace(model_runner=SimpleNamespace(speculator=speculator))
     assert _worker_gate_inputs(worker) == {
@@ -151,9 +154,11 @@ def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(s
         "sps_curve": [],  # a given curve, not a profiled one
         "draft_ms": {K: [[1, 0.1], [16, 12.0]]},
     }
-    assert speculator.plan_proposal(1, K)  # one request drafts cheaply: worth it again
-    speculator.drafted_last = False
-    assert speculator.admission_budget(16) == 0
+    assert speculator.controller._decide_drafting(
+        1, K
+    )  # one request drafts cheaply: worth it again
+    speculator.controller.drafted_last = False
+    assert speculator.controller.admission_budget(16) == 0
 
 
 def test_the_slowest_request_is_read_from_its_mean_so_far():
@@ -180,17 +185,17 @@ def test_the_slowest_request_is_read_from_its_mean_so_far():
 @pytest.mark.parametrize("objective,drafts", [("step", True), ("batch", False)])
 def test_a_batch_objective_weighs_the_request_that_drafts_worst(sps_speculator, objective, drafts):
     speculator = sps_speculator(dspark_gate_objective=objective)
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 2.0)]})
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 2.0)]})
     # 15 requests draft well, one accepts nothing: the mean request gains from drafting,
     # the batch, which lasts as long as that one request, does not.
     survival = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]).repeat(16, 1)
     survival[5] = 0.0
     slots, req_ids = torch.arange(16, dtype=torch.int32), [f"r{i}" for i in range(16)]
     for _ in range(3):
-        if speculator.slowest_request is not None:
-            speculator.slowest_request.start(req_ids, slots.numpy())
-        speculator.record_proposal(survival, slots)
-    assert speculator.plan_proposal(16, K) == drafts
+        if speculator.controller.slowest_request is not None:
+            speculator.controller.slowest_request.start(req_ids, slots.numpy())
+        speculator.controller.record_proposal(survival, slots)
+    assert speculator.controller._decide_drafting(16, K) == drafts
 
 
 def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():
@@ -242,16 +247,16 @@ def test_a_short_doubtful_passage_at_one_request_does_not_close_the_gate(plugin_
         dspark_sps_curve=[[1, 1000.0], [64, 1000.0]],
         dspark_step_overhead_ms=2.0,
     )
-    speculator.set_draft_cost({NUM_DRAFTS: [(1, 0.5), (64, 0.5)]})
+    speculator.controller.set_draft_cost({NUM_DRAFTS: [(1, 0.5), (64, 0.5)]})
     confident = torch.cumprod(torch.full((1, NUM_DRAFTS), 0.9), dim=1)
     doubtful = torch.cumprod(torch.full((1, NUM_DRAFTS), 0.02), dim=1)
     decisions = []
     for survival in [confident] * 40 + [doubtful] * 10 + [confident] * 5:
-        decisions.append(speculator.plan_proposal(1, NUM_DRAFTS))
-        speculator.record_proposal(survival)
+        decisions.append(speculator.controller._decide_drafting(1, NUM_DRAFTS))
+        speculator.controller.record_proposal(survival)
     assert all(decisions)
     # On the doubtful proposals' own survivals it would have closed.
-    gate = speculator.draft_gate
+    gate = speculator.controller.draft_gate
     doubtful_mean = doubtful[0].tolist()
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
         1, doubtful_mean, NUM_DRAFTS, overhead_s=2e-3

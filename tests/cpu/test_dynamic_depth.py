@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_dspark.bench.engine_control import switch_speculator
 from vllm_dspark.capacity.allocation import UNCOMPUTED_SURVIVAL, budget_capacity, prefix_survival
 from vllm_dspark.capacity.physical_depth import WINDOW_STEPS
 from vllm_dspark.speculator import DFlashPluginSpeculator, DSparkPluginSpeculator
@@ -81,7 +82,7 @@ def test_a_shallow_proposal_drafts_the_same_leading_tokens_and_admits_nothing_be
 def test_synthetic_confidence_is_drawn_from_each_rows_seed_and_positions():
     """With calibrated synthetic confidence each row draws from its request slot's seed
     and its drafts' positions: the same request in another row draws the same logits."""
-    from vllm_dspark.capacity.synthetic import SyntheticConfidence
+    from vllm_dspark.bench.synthetic import SyntheticConfidence
 
     hidden = torch.randn(R * K, H, generator=torch.Generator().manual_seed(1))
     medians = [0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35]
@@ -186,21 +187,25 @@ def test_acceptance_with_dynamic_depth_drafts_the_depth_the_next_step_verifies(
         dspark_sps_curve=[[1, 1000.0], [6, 100.0], [9, 10.0], [64, 1.0]],
         dspark_step_overhead_ms=0.0,
     )
-    assert speculator.physical_depth is None  # the acceptance controller sets the depth
+    assert speculator.controller.physical_depth is None  # the acceptance controller sets the depth
     batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 8, 16, 24]))
     counts = position_record(*verification_counts(batch.cu_num_logits, torch.tensor([2, 1, 3])))
     planned = []
     for _ in range(3):
-        planned.append(speculator.proposal_depth(3))
-        speculator.draft_depth = planned[-1]  # as _plan_depth does with depth graphs
-        speculator.record_verification(counts)
+        planned.append(speculator.controller.proposal_depth(3))
+        speculator.controller.draft_depth = planned[-1]  # as _plan_depth does with depth graphs
+        speculator.controller.record_verification(counts)
         # The step after verifies just the depth drafted, however often it asks.
-        assert speculator.admission_budget(3) == speculator.admission_budget(3) == 3 * planned[-1]
+        assert (
+            speculator.controller.admission_budget(3)
+            == speculator.controller.admission_budget(3)
+            == 3 * planned[-1]
+        )
     assert planned == [1, 1, 1]
-    assert speculator.depth_changes == 1  # K, then 1
+    assert speculator.controller.depth_changes == 1  # K, then 1
     # Without dynamic depth the drafter computes every position.
     fixed = plugin_speculator(K, method="dflash", dspark_capacity="acceptance")
-    assert fixed.proposal_depth(3) == K
+    assert fixed.controller.proposal_depth(3) == K
 
 
 @pytest.mark.parametrize("frac,expected", [(1.0, 3 * 2), (0.2, 5)])
@@ -210,23 +215,27 @@ def test_admission_never_exceeds_the_depth_drafts_were_computed_to(
     speculator = plugin_speculator(
         K, dspark_capacity="budget", dspark_budget_frac=frac, dspark_dynamic_depth=True
     )
-    assert speculator.physical_depth is not None
-    assert speculator.admission_budget(3) == min(3 * K, -(-3 * K * frac // 1))
-    speculator.draft_depth = 2
-    assert speculator.admission_budget(3) == expected  # min(ceil(3 * 7 * frac), 3 * 2)
+    assert speculator.controller.physical_depth is not None
+    assert speculator.controller.admission_budget(3) == min(3 * K, -(-3 * K * frac // 1))
+    speculator.controller.draft_depth = 2
+    assert speculator.controller.admission_budget(3) == expected  # min(ceil(3 * 7 * frac), 3 * 2)
     # Compacted steps feed the controller the admissions of the step before the last (the
     # first two read the initial K, which keeps K for two windows).
     for _ in range(2 * WINDOW_STEPS):
-        speculator.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
-    assert speculator.physical_depth.depth == K
+        speculator.controller.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
+    assert speculator.controller.physical_depth.depth == K
     for _ in range(WINDOW_STEPS):
-        speculator.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
-    assert speculator.physical_depth.depth == 2
-    assert speculator.graph_steps == speculator.compacted_steps == 3 * WINDOW_STEPS
+        speculator.controller.record_admission(["a", "b", "c"], 6, True, torch.tensor([2, 2, 1]))
+    assert speculator.controller.physical_depth.depth == 2
+    assert (
+        speculator.controller.graph_steps
+        == speculator.controller.compacted_steps
+        == 3 * WINDOW_STEPS
+    )
     # Steps verifying skipped proposals (draft gate closed, budget 0) leave the depth be.
     for _ in range(4 * WINDOW_STEPS):
-        speculator.record_admission(["a", "b", "c"], 0, True, torch.tensor([0, 0, 0]))
-    assert speculator.physical_depth.depth == 2
+        speculator.controller.record_admission(["a", "b", "c"], 0, True, torch.tensor([0, 0, 0]))
+    assert speculator.controller.physical_depth.depth == 2
 
 
 def test_a_running_engine_switches_between_the_arms_it_was_started_for(plugin_speculator):
@@ -246,37 +255,42 @@ def test_a_running_engine_switches_between_the_arms_it_was_started_for(plugin_sp
     start["dspark_sps_curve"] = curve  # this CPU platform has no graphs to profile
     speculator = plugin_speculator(K, **start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
-    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
-    speculator.draft_depth = 3
+    speculator.controller.varies_depth = True  # as with depth graphs
+    speculator.controller.draft_depth = 3
     for arm, updates in switches:
         if arm.startswith("sps"):
             updates = updates | {"sps_curve": curve}
-        options = speculator.switch_capacity(updates)
+        options = switch_speculator(speculator, updates)
         assert options.capacity == arm.split("-")[0], arm
         assert options.gate_objective == ("batch" if arm == "sps-batch" else "step"), arm
-        assert (speculator.physical_depth is not None) == options.dynamic_depth, arm
-        assert speculator.draft_depth == K  # every arm starts from full depth
-        assert speculator.compacted_steps == 0
+        assert (speculator.controller.physical_depth is not None) == options.dynamic_depth, arm
+        assert speculator.controller.draft_depth == K  # every arm starts from full depth
+        assert speculator.controller.compacted_steps == 0
     with pytest.raises(DSparkOptionError, match="cannot switch.*fp8_draft_head"):
-        speculator.switch_capacity({"fp8_draft_head": True})
+        switch_speculator(speculator, {"fp8_draft_head": True})
     speculator._depth_graphs = {}
     with pytest.raises(DSparkOptionError, match="per-depth draft graphs"):
-        speculator.switch_capacity({"capacity": "budget", "dynamic_depth": True})
+        switch_speculator(speculator, {"capacity": "budget", "dynamic_depth": True})
     with pytest.raises(DSparkOptionError, match="SPS profile"):
-        speculator.switch_capacity({"capacity": "sps"})  # never profiled here
-    speculator.set_sps_curve(curve, torch.device("cpu"), profiled=True)
-    speculator.switch_capacity({"capacity": "sps", "sps_curve": [[1, 5.0], [9, 1.0]]})
-    measured = speculator.step_overhead
-    speculator.switch_capacity({"capacity": "sps", "varlen_verify": True})  # auto
-    assert speculator.sps_table[64].item() == pytest.approx(90.0)  # the profile, not [[1, 5]..
+        switch_speculator(speculator, {"capacity": "sps"})  # never profiled here
+    speculator.controller.set_sps_curve(curve, torch.device("cpu"), profiled=True)
+    switch_speculator(speculator, {"capacity": "sps", "sps_curve": [[1, 5.0], [9, 1.0]]})
+    measured = speculator.controller.step_overhead
+    switch_speculator(speculator, {"capacity": "sps", "varlen_verify": True})  # auto
+    assert speculator.controller.sps_table[64].item() == pytest.approx(
+        90.0
+    )  # the profile, not [[1, 5]..
     # The step's measured costs survive the switches (other modes in between included);
     # a given overhead is the arm's own.
-    assert speculator.step_overhead is measured and measured.measuring
-    speculator.switch_capacity({"capacity": "budget", "varlen_verify": True})
-    speculator.switch_capacity({"capacity": "sps", "step_overhead_ms": 2.0})
-    assert speculator.step_overhead.seconds == 0.002 and not speculator.step_overhead.measuring
-    speculator.switch_capacity({"capacity": "sps"})
-    assert speculator.step_overhead is measured
+    assert speculator.controller.step_overhead is measured and measured.measuring
+    switch_speculator(speculator, {"capacity": "budget", "varlen_verify": True})
+    switch_speculator(speculator, {"capacity": "sps", "step_overhead_ms": 2.0})
+    assert (
+        speculator.controller.step_overhead.seconds == 0.002
+        and not speculator.controller.step_overhead.measuring
+    )
+    switch_speculator(speculator, {"capacity": "sps"})
+    assert speculator.controller.step_overhead is measured
 
 
 def test_one_dflash_engine_switches_between_its_acceptance_arms(plugin_speculator):
@@ -294,13 +308,15 @@ def test_one_dflash_engine_switches_between_its_acceptance_arms(plugin_speculato
     start["dspark_sps_curve"] = [[1, 100.0], [64, 90.0], [512, 30.0]]
     speculator = plugin_speculator(K, method="dflash", **start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
-    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
+    speculator.controller.varies_depth = True  # as with depth graphs
     for arm, updates in switches:
-        options = speculator.switch_capacity(updates)
+        options = switch_speculator(speculator, updates)
         assert options.capacity == "acceptance", arm
         assert options.dynamic_depth == ARMS[arm].get("dspark_dynamic_depth", False), arm
         assert options.plain_steps == ARMS[arm].get("dspark_plain_steps", False), arm
-        assert speculator.physical_depth is None and speculator.draft_depth == K
+        assert (
+            speculator.controller.physical_depth is None and speculator.controller.draft_depth == K
+        )
 
 
 def test_uncomputed_positions_are_point_masses_on_their_token():
@@ -352,7 +368,7 @@ def test_a_dflash_drafter_captures_one_graph_set_per_depth(plugin_speculator, mo
     assert sorted(managers) == list(range(1, K + 1))
     assert managers[K] is speculator.query_cudagraph_manager
     speculator.capture()
-    assert captured == list(range(1, K + 1)) and speculator.draft_depth == K
+    assert captured == list(range(1, K + 1)) and speculator.controller.draft_depth == K
     # Without dynamic depth: stock's one manager.
     fixed = plugin_speculator(K, method="dflash", dspark_capacity="acceptance")
     fixed.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -365,23 +381,25 @@ def test_under_load_the_gate_drafts_a_shallower_depth_that_pays(sps_speculator):
     depth 1 rather than nothing; at one request it keeps the depth planned."""
     speculator = sps_speculator(num_drafts=K, dspark_dynamic_depth=True)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
-    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
+    speculator.controller.varies_depth = True  # as with depth graphs
     # Drafting costs 30 ms at 16 requests at full depth, 0.2 ms at depth 1.
-    speculator.set_draft_cost({1: [(1, 0.1), (16, 0.2)], K: [(1, 0.1), (16, 30.0)]})
+    speculator.controller.set_draft_cost({1: [(1, 0.1), (16, 0.2)], K: [(1, 0.1), (16, 30.0)]})
     for _ in range(50):  # the gate's survivals settle at 0.6
-        speculator.record_proposal(torch.full((16, K), 0.6))
-    speculator.draft_depth = K
-    assert speculator.plan_proposal(16, K) and speculator.draft_depth == 1
-    speculator.draft_depth = K
-    assert speculator.plan_proposal(1, K) and speculator.draft_depth == K
+        speculator.controller.record_proposal(torch.full((16, K), 0.6))
+    speculator.controller.draft_depth = K
+    assert speculator.controller._decide_drafting(16, K) and speculator.controller.draft_depth == 1
+    speculator.controller.draft_depth = K
+    assert speculator.controller._decide_drafting(1, K) and speculator.controller.draft_depth == K
     # Only the full depth timed: nothing shallower to draft, the gate closes.
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 30.0)]})
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 30.0)]})
     for _ in range(50):
-        speculator.record_proposal(torch.full((16, K), 0.6))
-    assert not speculator.plan_proposal(16, K) and speculator.draft_depth == K
+        speculator.controller.record_proposal(torch.full((16, K), 0.6))
+    assert (
+        not speculator.controller._decide_drafting(16, K) and speculator.controller.draft_depth == K
+    )
     # Counted by the depth each drafted at; the skipped proposal apart.
-    assert speculator.proposals_at_depth == [1] + [0] * (K - 2) + [1]
-    assert speculator.proposals_skipped == 1
+    assert speculator.controller.proposals_at_depth == [1] + [0] * (K - 2) + [1]
+    assert speculator.controller.proposals_skipped == 1
 
 
 # The Qwen3-8B shape's costs on the H200: the draft graph per depth 1..7 at 1, 64 and
@@ -418,12 +436,14 @@ def at_load(plugin_speculator, load: int, curve: list, outside_s: float, dynamic
     reqs = max(load, 2)
     if not dynamic:
         speculator = plugin_speculator(K, max_num_seqs=reqs, **options)
-        speculator.set_draft_cost({K: [(1, draft_ms[-1]), (reqs, draft_ms[-1])]})
+        speculator.controller.set_draft_cost({K: [(1, draft_ms[-1]), (reqs, draft_ms[-1])]})
         return speculator
     speculator = plugin_speculator(K, max_num_seqs=reqs, dspark_dynamic_depth=True, **options)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
-    speculator._use_depth = lambda depth: setattr(speculator, "draft_depth", depth)
-    speculator.set_draft_cost({d: [(1, ms), (reqs, ms)] for d, ms in enumerate(draft_ms, 1)})
+    speculator.controller.varies_depth = True  # as with depth graphs
+    speculator.controller.set_draft_cost(
+        {d: [(1, ms), (reqs, ms)] for d, ms in enumerate(draft_ms, 1)}
+    )
     return speculator
 
 
@@ -432,7 +452,7 @@ def synthetic_survivals(load: int, lifetime: int = 40):
     lives ``lifetime`` steps, then a new one takes its slot."""
     from offline_sweep import conditional_rates  # benchmarks/ is on the path
 
-    from vllm_dspark.capacity.synthetic import SyntheticConfidence
+    from vllm_dspark.bench.synthetic import SyntheticConfidence
 
     conditional = conditional_rates(RATES)
     synthetic = SyntheticConfidence(conditional, torch.device("cpu"))
@@ -451,31 +471,31 @@ def closed_loop(speculator, load: int, outside_s: float, steps: int, survivals):
     accepted with its survival's chance, so the expected tokens are the verified
     survivals' sum). Returns expected tokens per second and each proposal's depth (0:
     skipped)."""
-    table = speculator.sps_table_host
+    table = speculator.controller.sps_table_host
     slots = torch.arange(load)
     tokens = seconds = 0.0
     depths = []
     survival = survivals(0)
     for step in range(steps):
-        budget = speculator.admission_budget(load)
+        budget = speculator.controller.admission_budget(load)
         tokens += load
         if budget:
-            capacity = speculator.verify_capacity(slots, budget)
-            speculator.record_admission([f"r{i}" for i in slots], budget, True, capacity)
+            capacity = speculator.controller.verify_capacity(slots, budget)
+            speculator.controller.record_admission([f"r{i}" for i in slots], budget, True, capacity)
             verified = torch.arange(K) < capacity[:, None]
             tokens += float(survival[verified].sum())
-        speculator._plan_depth(load)
-        drafting = speculator.plan_proposal(load, speculator.draft_depth)
-        speculator.drafted_last = drafting
-        depth = speculator.draft_depth if drafting else 0
+        speculator.controller._use_depth(speculator.controller.proposal_depth(load))
+        drafting = speculator.controller._decide_drafting(load, speculator.controller.draft_depth)
+        speculator.controller.drafted_last = drafting
+        depth = speculator.controller.draft_depth if drafting else 0
         draft_s = DRAFT_MS[load][depth - 1] / 1e3 if depth else 0.0
         seconds += 1 / float(table[load + budget]) + outside_s + draft_s
         survival = survivals(step + 1)
         if drafting:
             computed = survival.clone()
             computed[:, depth:] = UNCOMPUTED_SURVIVAL
-            speculator.slot_survival[slots] = computed
-            speculator.record_proposal(computed, slots)
+            speculator.controller.slot_survival[slots] = computed
+            speculator.controller.record_proposal(computed, slots)
         depths.append(depth)
     return tokens / seconds, depths
 
@@ -492,7 +512,7 @@ def test_at_256_requests_sps_with_dynamic_depth_drafts_shallow_instead_of_closin
     steps = 20 * WINDOW_STEPS
     dynamic = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
     rate, depths = closed_loop(dynamic, 256, 2e-3, steps, lambda step: survival)
-    assert dynamic.proposals_skipped == 0 and max(depths[WINDOW_STEPS:]) <= 4
+    assert dynamic.controller.proposals_skipped == 0 and max(depths[WINDOW_STEPS:]) <= 4
     # Timed at full depth only (no depth graphs): closed but for its probes.
     full = at_load(plugin_speculator, 256, CHORDS_256, 2e-3, dynamic=False)
     full_rate, full_depths = closed_loop(full, 256, 2e-3, steps, lambda step: survival)
@@ -511,15 +531,17 @@ def test_at_256_requests_physical_depth_drops_the_positions_that_do_not_pay(plug
     paying = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
     rate, depths = closed_loop(paying, 256, 2e-3, steps, synthetic_survivals(256, steps))
     settled = depths[steps // 4 :]
-    assert 3 <= sum(settled) / len(settled) <= 5 and paying.proposals_skipped == 0
+    assert 3 <= sum(settled) / len(settled) <= 5 and paying.controller.proposals_skipped == 0
     largest = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
-    largest._depth_rates = lambda snapshots: None  # the largest admission rule
+    largest.controller._depth_rates = lambda snapshots: None  # the largest admission rule
     largest_rate, largest_depths = closed_loop(
         largest, 256, 2e-3, steps, synthetic_survivals(256, steps)
     )
     # It keeps computing 7 positions (its gate falls back to 2 now and then, where 7 does
     # not pay): 1.09x a closed gate, against 1.15x.
-    assert largest.physical_depth.depth == K and largest_depths[steps // 4 :].count(K) > 32
+    assert (
+        largest.controller.physical_depth.depth == K and largest_depths[steps // 4 :].count(K) > 32
+    )
     closed_rate = 256 / (8.98e-3 + 2e-3)
     assert rate > 1.04 * largest_rate and rate > 1.12 * closed_rate
 
@@ -541,7 +563,7 @@ def test_on_the_profiled_curve_the_depth_that_pays_never_loses(
     for rule in ("paying", "largest"):
         speculator = at_load(plugin_speculator, load, profiled_curve(), outside_s)
         if rule == "largest":
-            speculator._depth_rates = lambda snapshots: None
+            speculator.controller._depth_rates = lambda snapshots: None
         rate, depths = closed_loop(speculator, load, outside_s, steps, synthetic_survivals(load))
         rates.append(rate)
         mean_depths.append(sum(depths) / len(depths))
@@ -570,13 +592,13 @@ def test_fixed_depth_runs_in_the_controllers_engine_with_capacity_off(plugin_spe
     speculator = plugin_speculator(K, method="dflash", **start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
     (_, controller), (_, fixed) = switches
-    assert speculator.switch_capacity(controller).capacity == "acceptance"
-    assert speculator.controls_capacity and speculator.proposal_depth(4) <= K
-    options = speculator.switch_capacity(fixed)
+    assert switch_speculator(speculator, controller).capacity == "acceptance"
+    assert speculator.controller.controls_capacity and speculator.controller.proposal_depth(4) <= K
+    options = switch_speculator(speculator, fixed)
     assert options.capacity == "off" and not options.dynamic_depth
     assert options.fp8_draft_backbone and options.draft_vocab  # built at start-up, kept
-    assert not speculator.controls_capacity and speculator.acceptance is None
-    assert speculator.proposal_depth(4) == K
+    assert not speculator.controller.controls_capacity and speculator.controller.acceptance is None
+    assert speculator.controller.proposal_depth(4) == K
 
 
 def test_dsparks_fixed_depth_runs_in_the_sps_engine_with_capacity_off(plugin_speculator):
@@ -598,11 +620,14 @@ def test_dsparks_fixed_depth_runs_in_the_sps_engine_with_capacity_off(plugin_spe
     speculator = plugin_speculator(**start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
     (_, sps), _, (_, fixed) = switches
-    assert speculator.switch_capacity(sps).capacity == "sps" and speculator.controls_capacity
-    options = speculator.switch_capacity(fixed)
+    assert (
+        switch_speculator(speculator, sps).capacity == "sps"
+        and speculator.controller.controls_capacity
+    )
+    options = switch_speculator(speculator, fixed)
     assert options.capacity == "off" and not options.dynamic_depth
-    assert not speculator.controls_capacity and speculator.draft_gate is None
-    assert speculator.proposal_depth(4) == K
+    assert not speculator.controller.controls_capacity and speculator.controller.draft_gate is None
+    assert speculator.controller.proposal_depth(4) == K
 
 
 def test_a_batch_returns_at_once_to_the_depth_its_prefill_steps_planned_below(
@@ -628,7 +653,7 @@ def test_a_batch_returns_at_once_to_the_depth_its_prefill_steps_planned_below(
     )
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
     # Profiled to 220 requests; 256 at the same time per request as 220.
-    speculator.set_draft_cost(
+    speculator.controller.set_draft_cost(
         {
             int(depth): [*map(tuple, rows), (256, rows[-1][1] * 256 / rows[-1][0])]
             for depth, rows in gate["draft_ms"].items()
@@ -639,11 +664,13 @@ def test_a_batch_returns_at_once_to_the_depth_its_prefill_steps_planned_below(
     gen = torch.Generator().manual_seed(0)
     depths = {}
     for step, load in enumerate([256] * 40 + [2, 110, 219] + [256] * 4):
-        depth = speculator.proposal_depth(load)
-        speculator.draft_depth = depth
+        depth = speculator.controller.proposal_depth(load)
+        speculator.controller.draft_depth = depth
         draws = torch.rand(load, depth, generator=gen) < conditional[:depth]
         accepted = torch.cumprod(draws.long(), dim=1).sum(dim=1)
-        speculator.record_verification(position_record(torch.full((load,), depth), accepted))
+        speculator.controller.record_verification(
+            position_record(torch.full((load,), depth), accepted)
+        )
         depths[step] = depth
     assert depths[39] == 3  # the batch before, at 256 requests
     assert depths[42] == 2  # the prefill step at 219 requests
@@ -657,11 +684,11 @@ def test_a_traced_batch_records_each_steps_decision_and_its_inputs(plugin_specul
     steps = 3 * WINDOW_STEPS
     speculator = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
     closed_loop(speculator, 256, 2e-3, steps, synthetic_survivals(256, steps))
-    assert speculator.step_trace is None
+    assert speculator.controller.step_trace is None
     speculator = at_load(plugin_speculator, 256, CHORDS_256, 2e-3)
-    speculator.step_trace = []
+    speculator.controller.step_trace = []
     _, depths = closed_loop(speculator, 256, 2e-3, steps, synthetic_survivals(256, steps))
-    trace = speculator.step_trace
+    trace = speculator.controller.step_trace
     assert len(trace) == steps and {row[0] for row in trace} == {256}
     # Each step verifies the proposal before it, at the depth that proposal computed.
     assert [row[2] for row in trace] == [K, *depths[:-1]]
@@ -670,15 +697,15 @@ def test_a_traced_batch_records_each_steps_decision_and_its_inputs(plugin_specul
 
 
 def test_tracing_reaches_the_plugins_speculators_and_skips_vllms_own(plugin_speculator):
-    from vllm_dspark.engine_control import _worker_trace
+    from vllm_dspark.bench.engine_control import _worker_trace
 
     def worker(speculator):
         return SimpleNamespace(model_runner=SimpleNamespace(speculator=speculator))
 
     ours = at_load(plugin_speculator, 1, CHORDS_256, 2e-3)
-    assert _worker_trace(worker(ours), True) is None and ours.step_trace == []
-    ours.record_full_admission(1)
+    assert _worker_trace(worker(ours), True) is None and ours.controller.step_trace == []
+    ours.controller.record_full_admission(1)
     assert _worker_trace(worker(ours), False) == [[1, K, K, 2.0, 0.0, 0.0, 0.0]]
-    assert ours.step_trace is None
+    assert ours.controller.step_trace is None
     stock = SimpleNamespace(num_speculative_steps=K)  # no capacity control
     assert _worker_trace(worker(stock), True) is None and not hasattr(stock, "step_trace")

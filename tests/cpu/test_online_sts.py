@@ -126,7 +126,7 @@ def test_the_speculator_feeds_its_verifications_and_temperatures(plugin_speculat
     speculator = plugin_speculator(3, dspark_capacity="budget", dspark_budget_frac=1.0)
     speculator.temperatures = torch.ones(3)  # what loading the draft model sets
     speculator.online_sts = OnlineSTS(speculator.temperatures.clone(), refit_every=2)
-    speculator.drafted_last, speculator.draft_depth = True, 3
+    speculator.controller.drafted_last, speculator.controller.draft_depth = True, 3
     speculator.slot_confidence_logits[:2] = torch.tensor([[4.0, 4.0, 4.0], [-4.0, -4.0, -4.0]])
     batch = SimpleNamespace(
         num_reqs=2, cu_num_logits=torch.tensor([0, 4, 8]), idx_mapping=torch.tensor([1, 0])
@@ -134,7 +134,7 @@ def test_the_speculator_feeds_its_verifications_and_temperatures(plugin_speculat
     # Slot 1 (confident to reject) accepted all three, slot 0 (confident) none.
     temperatures = speculator.temperatures
     for _ in range(2):
-        speculator.observe_real_step(batch, torch.tensor([4, 1]))
+        speculator.controller._observe_real_step(batch, torch.tensor([4, 1]))
     sts = speculator.online_sts
     assert sts.steps == 2 and sts.refits == 1 and sts.fitted_at_step == 2
     # Two rows a step, every position's survival known; the second step's counts decayed.

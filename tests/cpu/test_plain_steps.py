@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_dspark.bench.engine_control import switch_speculator
 from vllm_dspark.capacity.draft_gate import PLAIN_PROBE_BURST, PROBE_EVERY
 
 K = 3
@@ -132,9 +133,9 @@ def gate_speculator(sps_speculator, **options):
     """An sps speculator whose draft gate closes at 16 requests (drafting costs 12 ms,
     survivals of 0.05), as in test_draft_gate.py."""
     speculator = sps_speculator(num_drafts=K, **options)
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})
     for _ in range(2):
-        speculator.record_proposal(torch.full((16, K), 0.05))
+        speculator.controller.record_proposal(torch.full((16, K), 0.05))
     return speculator
 
 
@@ -144,38 +145,38 @@ def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(sps_s
     from vllm_dspark.patches import compact_verification
 
     speculator = gate_speculator(sps_speculator, dspark_plain_steps=True)
-    assert speculator.take_gate_report() == K  # at start-up: schedule drafts (stock)
-    assert speculator.take_gate_report() is None  # once
-    speculator.next_step_drafts = K
-    assert not speculator.plan_proposal(16, K)  # the gate closes at 16 requests
-    assert speculator.take_gate_report() == 0
+    assert speculator.controller.take_gate_report() == K  # at start-up: schedule drafts (stock)
+    assert speculator.controller.take_gate_report() is None  # once
+    speculator.controller.next_step_drafts = K
+    assert not speculator.controller._decide_drafting(16, K)  # the gate closes at 16 requests
+    assert speculator.controller.take_gate_report() == 0
     # The scheduler has closed too: the gate reopens at one request, but the step this
     # proposal is for was scheduled without drafts, so nothing is drafted for it.
-    speculator.next_step_drafts = 0
-    assert not speculator.plan_proposal(1, K)
-    assert speculator.take_gate_report() == K
-    speculator.next_step_drafts = K
-    assert speculator.plan_proposal(1, K)
-    assert speculator.proposals_skipped == 2
+    speculator.controller.next_step_drafts = 0
+    assert not speculator.controller._decide_drafting(1, K)
+    assert speculator.controller.take_gate_report() == K
+    speculator.controller.next_step_drafts = K
+    assert speculator.controller._decide_drafting(1, K)
+    assert speculator.controller.proposals_skipped == 2
     # A probe of the closed gate: its open verdict holds (though the gate itself closes
     # again) until the scheduler gives a step drafts, so that the probe does draft.
-    speculator.next_step_drafts = 0
-    verdicts = [speculator.plan_proposal(16, K) for _ in range(PROBE_EVERY + 2)]
+    speculator.controller.next_step_drafts = 0
+    verdicts = [speculator.controller._decide_drafting(16, K) for _ in range(PROBE_EVERY + 2)]
     assert not any(verdicts)  # the scheduler gave no step drafts
-    assert speculator.take_gate_report() == K  # the probe's open verdict, still pending
-    speculator.next_step_drafts = K
-    assert speculator.plan_proposal(16, K)  # the probe drafts
-    assert not speculator.plan_proposal(16, K)  # and the gate is closed again
-    assert speculator.take_gate_report() == 0
+    assert speculator.controller.take_gate_report() == K  # the probe's open verdict, still pending
+    speculator.controller.next_step_drafts = K
+    assert speculator.controller._decide_drafting(16, K)  # the probe drafts
+    assert not speculator.controller._decide_drafting(16, K)  # and the gate is closed again
+    assert speculator.controller.take_gate_report() == 0
     # Switched to sps without plain steps: the scheduler is told to schedule drafts again.
     importlib.import_module(compact_verification.RUNNER_MODULE)
     compact_verification.apply()  # as building a capacity speculator does in a worker
     curve = [[1, 100.0], [16, 99.0], [128, 20.0]]
-    speculator.switch_capacity({"capacity": "sps", "varlen_verify": True, "sps_curve": curve})
-    assert speculator.take_gate_report() == K
-    speculator.next_step_drafts = 0  # ignored without plain steps
-    assert speculator.plan_proposal(1, K)
-    assert speculator.take_gate_report() is None
+    switch_speculator(speculator, {"capacity": "sps", "varlen_verify": True, "sps_curve": curve})
+    assert speculator.controller.take_gate_report() == K
+    speculator.controller.next_step_drafts = 0  # ignored without plain steps
+    assert speculator.controller._decide_drafting(1, K)
+    assert speculator.controller.take_gate_report() is None
 
 
 def test_plain_steps_need_sps_or_acceptance_and_no_dynamic_sd_table(engine_config, model_dirs):
@@ -215,16 +216,18 @@ def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
     from vllm_dspark import speculator as speculator_module
 
     speculator = dflash_acceptance(plugin_speculator, dspark_plain_steps=True)
-    assert speculator.gates_drafting and speculator.draft_gate is None  # until profiled
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
+    assert (
+        speculator.controller.gates_drafting and speculator.controller.draft_gate is None
+    )  # until profiled
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: "drafted")
     monkeypatch.setattr(speculator_module, "propose_without_drafting", lambda s, c: "skipped")
-    speculator.take_gate_report()
+    speculator.controller.take_gate_report()
 
     def propose(accepted: int) -> str:
         """A proposal after a step of 16 requests that verified K drafts each."""
         batch = SimpleNamespace(num_reqs=16, cu_num_logits=torch.arange(0, 16 * (K + 1) + 1, K + 1))
-        speculator.next_step_drafts = K
+        speculator.controller.next_step_drafts = K
         unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
         unused += ["next_prefill_tokens", "temperature", "seeds"]
         return speculator.propose(
@@ -237,14 +240,14 @@ def test_dflash_acceptance_gates_drafting_on_the_acceptance_it_verified(
 
     assert propose(accepted=0) == "drafted"  # nothing verified yet: optimistic
     assert [propose(accepted=0) for _ in range(3)][-1] == "skipped"
-    assert speculator.take_gate_report() == 0 and not speculator.drafted_last
+    assert speculator.controller.take_gate_report() == 0 and not speculator.controller.drafted_last
     # Only drafts a proposal computed count: the probes' (a burst of PLAIN_PROBE_BURST per
     # PROBE_EVERY skipped); the first burst's accepted drafts reopen it.
     reopened = [propose(accepted=K) for _ in range(3 * PROBE_EVERY)]
     first = reopened.index("drafted")
     assert first < PROBE_EVERY
     assert reopened[first:] == ["drafted"] * (len(reopened) - first)
-    assert speculator.take_gate_report() == K
+    assert speculator.controller.take_gate_report() == K
 
 
 def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(sps_speculator):
@@ -253,7 +256,7 @@ def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(sps_spe
     speculator = gate_speculator(sps_speculator, dspark_plain_steps=True)
     seen = []
     execute = _make_execute_wrapper(
-        lambda runner, *a, **kw: seen.append(speculator.next_step_drafts)
+        lambda runner, *a, **kw: seen.append(speculator.controller.next_step_drafts)
     )
     runner = SimpleNamespace(speculator=speculator)
     scheduled = SimpleNamespace(num_spec_tokens_to_schedule=0, num_scheduled_tokens={})
@@ -394,14 +397,14 @@ def closed_measuring_gate(plugin_speculator):
         dspark_plain_steps=True,
         dspark_sps_curve=[[1, 100.0], [16, 99.0], [128, 20.0]],
     )
-    overhead = speculator.step_overhead
+    overhead = speculator.controller.step_overhead
     assert overhead.measuring
     overhead.ready = True
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0), (64, 48.0)]})
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 12.0), (64, 48.0)]})
     for _ in range(2):
-        speculator.record_proposal(torch.full((16, K), 0.05))
-    speculator.next_step_drafts = K
-    assert not speculator.plan_proposal(16, K)
+        speculator.controller.record_proposal(torch.full((16, K), 0.05))
+    speculator.controller.next_step_drafts = K
+    assert not speculator.controller._decide_drafting(16, K)
     return speculator
 
 
@@ -413,16 +416,16 @@ def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
     close it there; a closed gate's plain steps time that range, so the gate reopened there
     drafts at once."""
     speculator = closed_measuring_gate(plugin_speculator)
-    probe = speculator.plain_cost_probe
+    probe = speculator.controller.plain_cost_probe
     assert probe.measured_ranges == {(16).bit_length()}
     verdicts = []
     while not any(verdicts[-1:]):  # survivals all but certain from now on
-        speculator.record_proposal(torch.full((16, K), 0.95))
-        verdicts.append(speculator.plan_proposal(16, K))
+        speculator.controller.record_proposal(torch.full((16, K), 0.95))
+        verdicts.append(speculator.controller._decide_drafting(16, K))
         assert probe.burst_left == 0  # reopened without a burst of its own
     # One request: a new range, but drafting there beats even a plain step costing only
     # the forward (100 tokens/s against 380 for drafting its survivals): no probe.
-    assert speculator.plan_proposal(1, K) and probe.burst_left == 0
+    assert speculator.controller._decide_drafting(1, K) and probe.burst_left == 0
     assert (1).bit_length() not in probe.measured_ranges
 
 
@@ -435,7 +438,7 @@ def test_a_gate_closed_as_the_batch_enters_a_new_range_still_probes(plugin_specu
     That fits the H200 arms test at 5e59c9b and 851bbd0 (acceptance-plain: no draft in 129
     proposals of 64 requests, after a warm-up of 4)."""
     speculator = closed_measuring_gate(plugin_speculator)
-    drafted = [speculator.plan_proposal(64, K) for _ in range(2 * PROBE_EVERY)]
+    drafted = [speculator.controller._decide_drafting(64, K) for _ in range(2 * PROBE_EVERY)]
     first = drafted.index(True)  # one probe's burst in PROBE_EVERY skipped proposals
     assert [i for i, verdict in enumerate(drafted) if verdict] == list(
         range(first, first + PLAIN_PROBE_BURST)
@@ -472,7 +475,7 @@ def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_
         enable_prefix_caching=False,
     )
     speculator = plugin_speculator(K, **options)
-    speculator.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
+    speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # as in gate_speculator
     monkeypatch.setattr(DSparkSpeculator, "propose", lambda self, *a, **kw: None)
     monkeypatch.setattr(speculator_module, "propose_without_drafting", lambda s, c: None)
     update = admission_metrics._make_update_wrapper(Scheduler.update_from_output)
@@ -483,10 +486,14 @@ def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_
     scheduled = scheduler.schedule()
     for step in range(300):
         req_ids = list(scheduled.num_scheduled_tokens)
-        speculator.next_step_drafts = scheduled.num_spec_tokens_to_schedule
+        speculator.controller.next_step_drafts = scheduled.num_spec_tokens_to_schedule
         drafts = [len(scheduled.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids]
         # What compaction verifies: the controller's depth, 0 after a skipped proposal.
-        depth = speculator.admission_budget(len(req_ids)) // len(req_ids) if any(drafts) else 0
+        depth = (
+            speculator.controller.admission_budget(len(req_ids)) // len(req_ids)
+            if any(drafts)
+            else 0
+        )
         verified = [min(n, depth) for n in drafts]
         accepted = verified if step >= 150 else [0] * len(verified)
         counts = torch.tensor([0] + [1 + n for n in verified]).cumsum(0)
@@ -498,7 +505,7 @@ def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_
             num_sampled=torch.tensor([1 + n for n in accepted]),
             **dict.fromkeys(unused),
         )
-        output = step_output(scheduled, speculator.take_gate_report(), accepted)
+        output = step_output(scheduled, speculator.controller.take_gate_report(), accepted)
         scheduled_next = scheduler.schedule()
         update(scheduler, scheduled, output)
         scheduled = scheduled_next
@@ -524,19 +531,19 @@ def test_placeholders_a_proposal_did_not_compute_are_not_counted_as_rejections(
     # Three decoding requests verifying K positions each, then a prefill.
     batch = SimpleNamespace(num_reqs=4, cu_num_logits=torch.tensor([0, 4, 8, 12, 13]))
     num_sampled = torch.tensor([4, 2, 1, 1])  # accepted K, 1 and 0
-    speculator.drafted_last = False
-    verified, accepted, counts = speculator.drafted_verification(batch, num_sampled)
+    speculator.controller.drafted_last = False
+    verified, accepted, counts = speculator.controller.drafted_verification(batch, num_sampled)
     assert verified.tolist() == accepted.tolist() == [0, 0, 0, 0]
     assert counts.tolist() == [0.0] * 2 * K
-    speculator.drafted_last, speculator.draft_depth = True, 2
-    verified, accepted, counts = speculator.drafted_verification(batch, num_sampled)
+    speculator.controller.drafted_last, speculator.controller.draft_depth = True, 2
+    verified, accepted, counts = speculator.controller.drafted_verification(batch, num_sampled)
     assert verified.tolist() == [2, 2, 2, 0] and accepted.tolist() == [2, 1, 0, 0]
     # Position 1 reached by all three (accepted by 2), position 2 by two (accepted by 1),
     # none beyond the depth.
     assert counts.tolist() == [3, 2, 0, 2, 1, 0]
     # Through the controller: after skipped proposals, the survivals stay what they were.
-    speculator.drafted_last = False
+    speculator.controller.drafted_last = False
     for _ in range(3):
-        speculator.observe_real_step(batch, num_sampled)
-        speculator._observe_acceptance()
-    assert speculator.acceptance.survival().tolist() == [1.0] * K
+        speculator.controller._observe_real_step(batch, num_sampled)
+        speculator.controller._observe_acceptance()
+    assert speculator.controller.acceptance.survival().tolist() == [1.0] * K

@@ -89,18 +89,18 @@ def check_records(plugin_speculator, mode: str) -> None:
     speculator = plugin_speculator(**options)
     num_reqs = 16
     if mode == "sps":
-        speculator.set_draft_cost({K: [(1, 0.5), (64, 2.0)]})
+        speculator.controller.set_draft_cost({K: [(1, 0.5), (64, 2.0)]})
     survival = survivals(num_reqs, torch.Generator().manual_seed(3))
-    speculator.record_proposal(survival)
-    speculator.record_proposal(survival * 0.5)  # the next proposal's, not read yet
+    speculator.controller.record_proposal(survival)
+    speculator.controller.record_proposal(survival * 0.5)  # the next proposal's, not read yet
     if mode == "sps":
-        fixed = 1e-3 + speculator._draft_seconds(num_reqs)
-        wanted = sps_best_count(survival, speculator.sps_table, fixed)
-        gate = speculator.stale_survival.per_request()
+        fixed = 1e-3 + speculator.controller._draft_seconds(num_reqs)
+        wanted = sps_best_count(survival, speculator.controller.sps_table, fixed)
+        gate = speculator.controller.stale_survival.per_request()
         assert gate == pytest.approx((survival.clamp(min=0).sum(dim=0) / num_reqs).tolist())
     else:
         wanted = threshold_count(survival, 0.4)
-    assert speculator.stale_budget.per_request() == pytest.approx(int(wanted) / num_reqs)
+    assert speculator.controller.stale_budget.per_request() == pytest.approx(int(wanted) / num_reqs)
 
 
 @pytest.mark.parametrize("mode", ["sps", "threshold"])

@@ -71,20 +71,27 @@ def test_a_batch_that_grows_past_its_bound_wakes_the_rest_and_one_that_shrinks_d
 def resting_speculator(sps_speculator, proposals: int):
     """An sps speculator whose rest has ``proposals`` proposals left, at 16 requests."""
     speculator = sps_speculator()
-    speculator.rest.left, speculator.rest.batch = proposals, 16
+    speculator.controller.rest.left, speculator.controller.rest.batch = proposals, 16
     return speculator
 
 
 def test_a_resting_step_runs_vllms_own_step_counted_as_admitting_every_draft(sps_speculator):
-    from vllm_dspark.patches.compact_verification import _step_budget
+    from vllm_dspark.verify.layout import step_facts
 
     speculator = resting_speculator(sps_speculator, 2)
-    speculator.admission_budget = None  # a resting step must not plan
+    speculator.controller.admission_budget = None  # a resting step must not plan
     drafts = {f"r{i}": [-1] * K for i in range(3)}
-    step = SimpleNamespace(scheduled_spec_decode_tokens=drafts, num_scheduled_tokens={})
-    assert _step_budget(SimpleNamespace(speculator=speculator), step) is None
-    assert speculator.drafts_proposed == speculator.drafts_admitted == 3 * K
-    assert speculator.step_tokens is None  # no sample of the step overhead
+    step = SimpleNamespace(
+        scheduled_spec_decode_tokens=drafts,
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_new_reqs=[],
+        num_spec_tokens_to_schedule=K,
+    )
+    facts = step_facts(SimpleNamespace(speculator=speculator), step)
+    assert speculator.controller.plan_step(facts) is None
+    assert speculator.controller.drafts_proposed == speculator.controller.drafts_admitted == 3 * K
+    assert speculator.controller.step_tokens is None  # no sample of the step overhead
 
 
 def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans(
@@ -95,7 +102,9 @@ def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans
     monkeypatch.setattr(DSparkSpeculator, "propose", lambda self, *a, **kw: "drafted")
     speculator = resting_speculator(sps_speculator, 3)
     planned = []
-    monkeypatch.setattr(speculator, "observe_real_step", lambda *a: planned.append(True))
+    monkeypatch.setattr(
+        speculator.controller, "_observe_real_step", lambda *a: planned.append(True)
+    )
     unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
     unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
     call = dict.fromkeys(unused) | {
@@ -107,10 +116,16 @@ def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans
         return speculator.propose(**call)
 
     assert [propose(), propose()] == ["drafted", "drafted"] and not planned
-    assert speculator.proposals_at_depth[K - 1] == 2 and speculator.drafted_last
-    speculator.step_tokens = 16  # set by a plain step during the rest: no sample
+    assert (
+        speculator.controller.proposals_at_depth[K - 1] == 2 and speculator.controller.drafted_last
+    )
+    speculator.controller.step_tokens = 16  # set by a plain step during the rest: no sample
     propose()  # wakes: the controller plans again, the step just run is no sample
-    assert planned == [True] and not speculator.resting and speculator.step_tokens is None
+    assert (
+        planned == [True]
+        and not speculator.controller.resting
+        and speculator.controller.step_tokens is None
+    )
 
 
 def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator):
@@ -121,7 +136,7 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
 
     curve = [[1, 8000.0], [64, 7900.0], [512, 7500.0]]
     ranks = [simulated_sps(plugin_speculator, curve, 3e-4) for _ in range(2)]
-    overheads = [speculator.step_overhead for speculator, _ in ranks]
+    overheads = [speculator.controller.step_overhead for speculator, _ in ranks]
 
     def reduce_max(tensor):  # the second rank's call completes the collective
         if tensor is overheads[1]._device_value:
@@ -140,7 +155,7 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
         survival = (doubtful if 300 <= step < 520 else confident)[:num_reqs]
         per_rank = []
         for rank, (speculator, clock) in enumerate(ranks):
-            resting = speculator.resting
+            resting = speculator.controller.resting
 
             def period(budget, _drafted, slower=1.3**rank):
                 return slower * (2.5e-3 + 2e-5 * budget)  # 20 us per verified draft
@@ -151,7 +166,7 @@ def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator
             per_rank.append((budget, resting))
         assert per_rank[0] == per_rank[1], step
         decisions.append(per_rank[0])
-    rests = [speculator.rest for speculator, _ in ranks]
+    rests = [speculator.controller.rest for speculator, _ in ranks]
     assert rests[0].proposals_rested == rests[1].proposals_rested > 300
     assert rests[0].rests >= 3  # before the doubtful stretch, after it, after the growth
     # Doubtful: fewer drafts, once the rest that began before the stretch ends.

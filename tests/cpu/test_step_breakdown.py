@@ -790,7 +790,7 @@ def test_the_closed_breakdown_arm_keeps_the_draft_gate_closed(plugin_speculator)
     from vllm_dspark.capacity.draft_gate import PROBE_EVERY
 
     speculator = plugin_speculator(dspark_capacity="sps", **sb.ARMS["closed-k3"][2])
-    speculator.set_draft_cost({K: [(1, 0.5), (256, 3.0)]})
+    speculator.controller.set_draft_cost({K: [(1, 0.5), (256, 3.0)]})
     num_reqs, num_steps = 100, 4 * PROBE_EVERY
     survival = torch.cumprod(torch.full((num_reqs, K), 0.9), dim=1)
     plain = run_plain_closed_loop(

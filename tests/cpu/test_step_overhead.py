@@ -246,12 +246,11 @@ def test_per_draft_time_limits_what_sps_admits():
 
 def test_sps_varies_its_admission_now_and_then(plugin_speculator):
     from test_compact_verification import K
-
-    from vllm_dspark.capacity.control import EXPLORE_EVERY
+    from vllm_dspark.capacity.controller import EXPLORE_EVERY
 
     curve = [[1, 200.0], [512, 50.0]]
     measuring = plugin_speculator(dspark_capacity="sps", dspark_sps_curve=curve)
-    budgets = [measuring.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)]
+    budgets = [measuring.controller.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)]
     half = [i for i, budget in enumerate(budgets) if budget != 16 * K]
     assert half == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
     assert budgets[EXPLORE_EVERY - 1] == 16 * K // 2
@@ -261,8 +260,8 @@ def test_sps_varies_its_admission_now_and_then(plugin_speculator):
         dspark_sps_curve=curve,
         dspark_step_overhead_ms=1.5,
     )
-    assert {given.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)} == {16 * K}
-    assert given.step_overhead.seconds == 0.0015
+    assert {given.controller.admission_budget(16) for _ in range(2 * EXPLORE_EVERY)} == {16 * K}
+    assert given.controller.step_overhead.seconds == 0.0015
 
 
 def simulated_sps(plugin_speculator, curve, draft_s, **options):
@@ -271,9 +270,9 @@ def simulated_sps(plugin_speculator, curve, draft_s, **options):
     from test_compact_verification import K
 
     speculator = plugin_speculator(dspark_capacity="sps", dspark_sps_curve=curve, **options)
-    speculator.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
+    speculator.controller.set_draft_cost({K: [(1, draft_s * 1e3), (256, draft_s * 1e3)]})
     clock = FakeClock()
-    speculator.step_overhead._clock = clock
+    speculator.controller.step_overhead._clock = clock
     return speculator, clock
 
 
@@ -294,22 +293,22 @@ def closed_loop_step(speculator, clock, num_reqs, survival, period, drafted):
     drafted) and is followed by the gate's proposal decision, or a rest's
     (capacity/rest.py), as compact_verification's wrapper and the speculator's propose
     take them. Returns (the step's admission, whether the next proposal drafts)."""
-    if speculator.resting:  # vLLM's own step, all R K drafts
+    if speculator.controller.resting:  # vLLM's own step, all R K drafts
         budget = num_reqs * speculator.num_speculative_steps
     else:
-        budget = speculator.admission_budget(num_reqs)  # 0 after a skipped proposal
-        speculator.step_tokens = num_reqs + budget
+        budget = speculator.controller.admission_budget(num_reqs)  # 0 after a skipped proposal
+        speculator.controller.step_tokens = num_reqs + budget
         # What the wrapper marks: all R K drafts run vLLM's own step.
-        speculator.step_compacted = budget < num_reqs * speculator.num_speculative_steps
+        speculator.controller.step_compacted = budget < num_reqs * speculator.num_speculative_steps
     clock.now += period(budget, drafted)
-    drafted = speculator.rest_proposal(num_reqs)
+    drafted = speculator.controller._rest_proposal(num_reqs)
     resting = drafted is not None
     if not resting:
-        speculator.observe_step(num_reqs)
-        drafted = speculator.plan_proposal(num_reqs, speculator.num_speculative_steps)
-    speculator.drafted_last = drafted  # before the record, as in propose
+        speculator.controller._observe_step_time(num_reqs)
+        drafted = speculator.controller._decide_drafting(num_reqs, speculator.num_speculative_steps)
+    speculator.controller.drafted_last = drafted  # before the record, as in propose
     if drafted and not resting:
-        speculator.record_proposal(survival)
+        speculator.controller.record_proposal(survival)
     return budget, drafted
 
 
@@ -325,8 +324,8 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_sp
     speculator, survival, true_rate = run.speculator, run.survival, run.true_rate
     # On the curve alone the gate would have judged drafting too dear from the first step;
     # it waits for the first fit instead, and never closed.
-    assert speculator.proposals_skipped == 0 and run.decisions[-1]
-    overhead = speculator.step_overhead
+    assert speculator.controller.proposals_skipped == 0 and run.decisions[-1]
+    overhead = speculator.controller.step_overhead
     assert overhead.seconds == pytest.approx(2.5e-3, rel=0.05)
     assert overhead.per_draft_seconds == pytest.approx(per_draft_s, rel=0.05)
     best = max(range(num_reqs * K + 1), key=true_rate)
@@ -334,9 +333,9 @@ def test_sps_learns_the_host_costs_and_admits_what_pays_in_closed_loop(plugin_sp
     assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
     # Without the overhead model (the curve alone) it would have admitted far less, and
     # its gate would have closed.
-    bare = int(sps_best_count(survival, speculator.sps_table))
+    bare = int(sps_best_count(survival, speculator.controller.sps_table))
     assert true_rate(bare) < 0.97 * true_rate(best), (bare, best)
-    gate = speculator.draft_gate
+    gate = speculator.controller.draft_gate
     assert not DraftGate(gate.sps_table, gate.draft_seconds).decide(
         num_reqs, survival.mean(dim=0).tolist(), K
     )
@@ -355,7 +354,7 @@ def host_bound_loop(plugin_speculator, num_reqs, curve, num_steps, per_draft_s, 
     speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
     confidence = torch.linspace(0.3, 0.95, num_reqs)[:, None].repeat(1, K)
     survival = torch.cumprod(confidence, dim=1)
-    table = speculator.sps_table_host
+    table = speculator.controller.sps_table_host
     full = num_reqs * K
 
     def step_seconds(drafts: int) -> float:
@@ -396,14 +395,14 @@ def test_sps_verifies_everything_where_compacting_costs_more_than_it_saves(plugi
     full = num_reqs * K
     # Once the first proposal is read it compacts: the premium is not known yet.
     assert max(budgets[2:WINDOW]) < full
-    overhead = speculator.step_overhead
+    overhead = speculator.controller.step_overhead
     assert overhead.compaction_seconds == pytest.approx(compaction_s, rel=0.05)
     settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
     assert settled == full
     assert true_rate(full) > 1.2 * true_rate(budgets[2])
     # Settled on every draft, the controller rests (capacity/rest.py) most steps from
     # then on, and its fit (read through the rests) holds.
-    assert speculator.rest.proposals_rested > 0.8 * (len(budgets) - 4 * WINDOW)
+    assert speculator.controller.rest.proposals_rested > 0.8 * (len(budgets) - 4 * WINDOW)
     assert budgets[-8 * WINDOW :] == [full] * (8 * WINDOW)
 
 
@@ -419,7 +418,7 @@ def test_sps_keeps_compacting_where_it_saves_more_than_it_costs(plugin_speculato
     budgets, true_rate = run.budgets, run.true_rate
     full = num_reqs * K
     assert full not in budgets[2:]  # (before the first proposal is read, all are verified)
-    assert run.speculator.rest.rests == 0
+    assert run.speculator.controller.rest.rests == 0
     best = max(range(full + 1), key=true_rate)
     settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
     assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
@@ -437,14 +436,14 @@ def test_the_gate_stays_open_where_skipping_costs_more_than_drafting(plugin_spec
     speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
     # Rarely surviving drafts: with skipping free, one request gains too little from them.
     survival = torch.cumprod(torch.full((num_reqs, K), 0.05), dim=1)
-    table = speculator.sps_table_host
+    table = speculator.controller.sps_table_host
 
     def period(budget: int, drafted: bool) -> float:
         proposal = draft_s if drafted else skip_s
         return 1 / float(table[num_reqs + budget]) + fixed_s + proposal
 
     _, decisions = run_closed_loop(speculator, clock, num_reqs, survival, 16 * WINDOW, period)
-    overhead = speculator.step_overhead
+    overhead = speculator.controller.step_overhead
     assert overhead.skip_seconds == pytest.approx(skip_s, rel=0.05)
     assert not all(decisions)  # it did close once, before skipping had been measured
     assert all(decisions[-4 * WINDOW :])  # and drafts for good once it has
@@ -511,20 +510,20 @@ def run_plain_closed_loop(speculator, clock, num_reqs, survival, num_steps, peri
     lookup = this_step = next_step = num_drafts
     plain_steps = []
     for _ in range(num_steps):
-        speculator.next_step_drafts = next_step
+        speculator.controller.next_step_drafts = next_step
         if this_step == 0:
-            speculator.step_tokens, speculator.step_plain = num_reqs, True
+            speculator.controller.step_tokens, speculator.controller.step_plain = num_reqs, True
             clock.now += plain_s
         else:
-            budget = speculator.admission_budget(num_reqs)
-            speculator.step_tokens = num_reqs + budget
-            clock.now += period(budget, speculator.drafted_last)
-        speculator.observe_step(num_reqs)
-        drafted = speculator.plan_proposal(num_reqs, num_drafts)
-        speculator.drafted_last = drafted
+            budget = speculator.controller.admission_budget(num_reqs)
+            speculator.controller.step_tokens = num_reqs + budget
+            clock.now += period(budget, speculator.controller.drafted_last)
+        speculator.controller._observe_step_time(num_reqs)
+        drafted = speculator.controller._decide_drafting(num_reqs, num_drafts)
+        speculator.controller.drafted_last = drafted
         if drafted:
-            speculator.record_proposal(survival)
-        report = speculator.take_gate_report()
+            speculator.controller.record_proposal(survival)
+        report = speculator.controller.take_gate_report()
         lookup = lookup if report is None else report
         plain_steps.append(this_step == 0)
         this_step, next_step = next_step, lookup
@@ -550,7 +549,7 @@ def test_plain_steps_run_where_they_are_faster_in_closed_loop(
     curve = [[1, 2000.0], [64, 2000.0], [256, 1900.0]]
     speculator, clock = simulated_sps(plugin_speculator, curve, draft_s, dspark_plain_steps=True)
     survival = torch.cumprod(torch.full((num_reqs, K), confidence), dim=1)
-    table = speculator.sps_table_host
+    table = speculator.controller.sps_table_host
 
     def period(budget: int, drafted: bool) -> float:
         proposal = draft_s if drafted else skip_s
@@ -560,7 +559,7 @@ def test_plain_steps_run_where_they_are_faster_in_closed_loop(
     plain = run_plain_closed_loop(
         speculator, clock, num_reqs, survival, 24 * WINDOW, period, plain_s
     )
-    overhead = speculator.step_overhead
+    overhead = speculator.controller.step_overhead
     assert overhead.plain_step_seconds(num_reqs) == pytest.approx(plain_rest_s, rel=0.05)
     late = plain[-8 * WINDOW :]
     if mostly_plain:
@@ -584,7 +583,7 @@ def test_a_closed_gate_with_plain_steps_times_its_probes_at_the_new_load(plugin_
     speculator, clock = simulated_sps(
         plugin_speculator, curve, draft_s, dspark_plain_steps=True, max_num_seqs=256
     )
-    table = speculator.sps_table_host
+    table = speculator.controller.sps_table_host
 
     def run(num_reqs: int, per_draft_s: float, num_steps: int) -> list[bool]:
         survival = torch.cumprod(torch.full((num_reqs, K), 0.9), dim=1)
@@ -595,16 +594,16 @@ def test_a_closed_gate_with_plain_steps_times_its_probes_at_the_new_load(plugin_
 
         plain_s = 1 / float(table[num_reqs]) + plain_rest_s
         # The batch's prefill first: a step the curve does not describe.
-        speculator.step_tokens = None
+        speculator.controller.step_tokens = None
         clock.now += 0.05
-        speculator.observe_step(num_reqs)
+        speculator.controller._observe_step_time(num_reqs)
         return run_plain_closed_loop(
             speculator, clock, num_reqs, survival, num_steps, period, plain_s
         )
 
     # b learnt where drafts are few (here truly 20 us: the fit cannot tell noise from cost).
     run(8, 20e-6, 48 * WINDOW)
-    overhead = speculator.step_overhead
+    overhead = speculator.controller.step_overhead
     assert overhead.per_draft_seconds == pytest.approx(20e-6, rel=0.2)
     plain = run(256, 0.5e-6, 48 * WINDOW)
     assert sum(plain[: 2 * WINDOW]) > WINDOW  # the gate closed on the dear drafts

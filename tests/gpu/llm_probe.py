@@ -5,7 +5,7 @@ Reads one JSON object on standard input: {"target", "draft" (or null for no spec
 lists), "max_tokens" (one for all prompts, or a list with one per prompt), optional
 "gpu_memory_utilization", "dtype", "enable_prefix_caching", "switch" (a list of [name,
 capacity options] measured one after another in this engine,
-:mod:`vllm_dspark.engine_control`), "poison_freed_memory" (after the warm-up, fill the GPU
+:mod:`vllm_dspark.bench.engine_control`), "poison_freed_memory" (after the warm-up, fill the GPU
 memory the engine does not hold with NaN, then hand it back to the allocator),
 "check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
 :func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs", "cudagraph_mode"
@@ -292,7 +292,7 @@ def main(spec: dict) -> None:
     }
     if "switch" in spec:
         # Several capacity arms of one engine: {"arms": {name: measurement}}.
-        from vllm_dspark.engine_control import switch_capacity
+        from vllm_dspark.bench.engine_control import switch_capacity
 
         result["arms"] = {}
         for name, updates in spec["switch"]:

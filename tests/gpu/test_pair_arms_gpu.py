@@ -90,7 +90,7 @@ ARMS = {
         "bfloat16",
     ),
     # One engine prepared for every capacity arm (compaction, per-depth draft graphs, the
-    # SPS profile), switched between them (vllm_dspark.engine_control).
+    # SPS profile), switched between them (vllm_dspark.bench.engine_control).
     "capacity": (
         {
             "dspark_capacity": "sps",

@@ -53,14 +53,14 @@ def attach_not_admitted(output, pending, num_drafts: int):
 def _make_sample_tokens_wrapper(sample_tokens):
     def sample_tokens_with_admission(self, *args, **kwargs):
         output = sample_tokens(self, *args, **kwargs)
-        speculator = self.speculator
-        if not hasattr(speculator, "take_admission"):
+        controller = getattr(self.speculator, "controller", None)
+        if controller is None:
             return output
-        pending, gate = speculator.take_admission(), speculator.take_gate_report()
+        pending, gate = controller.take_step_report()
         if (pending is None and gate is None) or not hasattr(output, "get_output"):
             return output
         get_output = output.get_output
-        num_drafts = speculator.num_speculative_steps
+        num_drafts = controller.num_speculative_steps
 
         def get_output_with_admission():
             result = get_output()

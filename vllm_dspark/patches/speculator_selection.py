@@ -32,20 +32,20 @@ def _make_wrapper(init_speculator):
 
         cls = DSparkPluginSpeculator if method == "dspark" else DFlashPluginSpeculator
         speculator = cls(vllm_config, device, options)
-        if getattr(speculator, "controls_capacity", False):
+        if speculator.controller.controls_capacity:
             # The runner is imported by now: its own hooks go in only when needed.
             from vllm_dspark.patches import admission_metrics, compact_verification
 
             compact_verification.apply()
             admission_metrics.apply_to_runner()
-        if getattr(speculator, "needs_sps_profile", False):
+        if speculator.controller.needs_sps_profile:
             from vllm_dspark.patches import sps_autoprofile
 
             sps_autoprofile.apply()
         if getattr(speculator, "synthetic", None) is not None:
-            from vllm_dspark.patches import calibrated_synthetic
+            from vllm_dspark.bench import synthetic_acceptance
 
-            calibrated_synthetic.apply(speculator)
+            synthetic_acceptance.apply(speculator)
         return speculator
 
     return init_speculator_with_dspark

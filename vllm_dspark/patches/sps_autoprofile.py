@@ -52,7 +52,8 @@ def _make_wrapper(capture_model):
     def capture_model_and_profile(self, *args, **kwargs):
         result = capture_model(self, *args, **kwargs)
         speculator = self.speculator
-        if getattr(speculator, "needs_sps_profile", False):
+        controller = getattr(speculator, "controller", None)
+        if controller is not None and controller.needs_sps_profile:
             rows = slowest_rank(time_target_steps(self))
             if not rows:
                 raise DSparkOptionError(
@@ -60,14 +61,13 @@ def _make_wrapper(capture_model):
                     "graph of the target to time. Valid here: a curve."
                 )
             curve = curve_from_times(rows)
-            speculator.set_sps_curve(curve, self.device, profiled=True)
-            speculator.needs_sps_profile = False
+            controller.set_sps_curve(curve, self.device, profiled=True)
             logger.info("vllm-dspark: SPS curve profiled at start-up [T, steps/s]: %s", curve)
             draft_ms = {
                 depth: slowest_rank(time_draft_graphs(speculator, manager))
                 for depth, manager in speculator.draft_graph_managers().items()
             }
-            speculator.set_draft_cost(draft_ms)
+            controller.set_draft_cost(draft_ms)
             logger.info("vllm-dspark: draft ms per proposal {depth: [R, ms]}: %s", draft_ms)
         return result
 

@@ -1,9 +1,10 @@
-"""What :mod:`vllm_dspark.patches.compact_verification` asks of a speculator that controls
-capacity, shared by the DSpark and DFlash speculators.
+"""Capacity control: how many of a step's drafts the target verifies, and whether and
+how deep the drafter proposes. :class:`CapacityController` owns all of its state; the
+runner patches and the speculators talk to it through a few methods.
 
-Per decode step the runner asks :meth:`CapacityControl.admission_budget` for the number B
-of drafts to verify (on the host, before the step), then :meth:`verify_capacity` for how
-they split over the requests (on the device). The modes:
+Per decode step the runner asks :meth:`CapacityController.plan_step` for the number B of
+drafts to verify (on the host, before the step), then :meth:`~CapacityController.admit_step`
+for how they split over the requests (on the device). The modes:
 
 - ``budget``: B = ceil(R*K*budget_frac), split by proposal-time survival;
 - ``threshold`` / ``sps``: B from the previous proposal's wanted count
@@ -12,16 +13,15 @@ they split over the requests (on the device). The modes:
   per position and the SPS curve (:mod:`vllm_dspark.capacity.acceptance`); needs no
   confidence head.
 
-With the curve profiled at start-up the drafter's time is profiled too (per depth, with
-dynamic depth): it counts in each step's time, and with ``sps`` (or ``acceptance`` with
-plain steps) :mod:`vllm_dspark.capacity.draft_gate` may skip a proposal altogether under
-load. ``sps``, ``acceptance`` and the gate count each step's time outside the curve
-(:mod:`step_overhead`). The depth a proposal computes, and acceptance's verified depth,
-are :mod:`depth_control`'s; what the engine must support, :mod:`startup_checks`'.
+``sps``, ``acceptance`` and the draft gate (:mod:`draft_gate`, which may skip a proposal
+under load) weigh each step's time: the target's SPS curve, the profiled proposal time
+and what the step costs outside both (:mod:`step_overhead`). The depth a proposal
+computes is :mod:`depth_control`'s; what the engine must support, :mod:`startup_checks`'.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable
@@ -52,12 +52,11 @@ from vllm_dspark.capacity.draft_gate import (
     proposal_seconds,
 )
 from vllm_dspark.capacity.physical_depth import WINDOW_STEPS, PhysicalDepth
-from vllm_dspark.capacity.plain_steps import PlainCostProbe, without_dynamic_sd_table
+from vllm_dspark.capacity.plain_steps import PlainCostProbe
 from vllm_dspark.capacity.proposal_kernel import proposal_stats
 from vllm_dspark.capacity.rest import AdmissionRest
 from vllm_dspark.capacity.stale_record import StalePerRequest, StaleSnapshots
 from vllm_dspark.capacity.startup_checks import (
-    check_compaction_backends,
     check_compaction_supported,
     graph_sizes,
     has_full_decode_graphs,
@@ -69,7 +68,7 @@ from vllm_dspark.capacity.verification_kernel import (
     drafted_counts,
     verification_stats,
 )
-from vllm_dspark.config import KEY_PREFIX, DSparkOptionError, DSparkOptions
+from vllm_dspark.config import KEY_PREFIX, DSparkOptions
 from vllm_dspark.triton_path import use_triton
 
 logger = init_logger(__name__)
@@ -83,42 +82,73 @@ _FINGERPRINT_MUL = 1_000_003
 
 # sps measuring its overhead: one step in this many verifies half its admitted drafts.
 EXPLORE_EVERY = 64
-# ... counting only steps that verify at least this many drafts. Below it the time per
-# draft b cannot move a decision, so a varied step only loses tokens: leaving out the last
-# position of R < 32 / d requests saves R b, about 1% of a Qwen3-8B decode step at d = 7
-# even at the largest b any run has fitted (20 us, DFlash, H200), against the position's
-# survival, 3.5% of the step's tokens (DFlash at one request, cfb33fa, H100: there 26
-# varied steps in 1,628 left out 104 drafts, and the acceptance controller ran 0.995x
-# fixed depth).
+# ... counting only steps that verify at least this many drafts: below it the time per
+# draft cannot move a decision, so a varied step would only lose tokens
+# (docs/design/module-notes.md).
 EXPLORE_MIN_DRAFTS = 32
-# Options a running engine can switch (benchmarks compare capacity arms in one engine);
-# what they need was set up at start-up: compaction hooks, depth graphs, the SPS profile.
-SWITCHABLE = frozenset(
-    {
-        "capacity",
-        "budget_frac",
-        "confidence_threshold",
-        "sps_curve",
-        "step_overhead_ms",
-        "dynamic_depth",
-        "varlen_verify",
-        "mixed_steps",
-        "plain_steps",
-        "gate_objective",
-    }
-)
 
 
-class CapacityControl(DepthControl):
-    """Mixed into a speculator (which provides num_speculative_steps and max_num_reqs)."""
+@dataclasses.dataclass(frozen=True)
+class StepFacts:
+    """What the runner knows of a scheduled step before it runs."""
 
-    options: DSparkOptions
-    num_speculative_steps: int
-    max_num_reqs: int
-    draft_depth: int  # positions the last proposal computed (DSpark with dynamic depth)
+    num_reqs: int  # requests scheduled
+    num_tokens: int  # tokens scheduled
+    num_drafting: int  # requests scheduled with drafts
+    plain_decode: bool  # one token per running request and no drafts
+    next_step_drafts: int  # drafts the scheduler gave the step after this one
+    # The requests that decode with all K drafts where the step can be compacted (None: it
+    # cannot); asked only when the answer matters (it walks the batch on the host).
+    count_decoding: Callable[[], int | None]
 
-    def _init_capacity(self, vllm_config: VllmConfig, device: torch.device) -> None:
-        options, num_drafts = self.options, self.num_speculative_steps
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a decode step verifies: ``budget`` of its drafts, compacted or ``masked``."""
+
+    budget: int
+    # The forward runs every draft and only the admitted ones are verified
+    # (``dspark_varlen_verify=false``); else the batch is compacted to them.
+    masked: bool = False
+    # In a compacted step that also carries prompts: (its decoding requests, which lead
+    # the batch, and its tokens once compacted); None in a decode-only step.
+    mixed: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposalPlan:
+    drafting: bool  # whether the proposal drafts (else placeholders nothing verifies)
+    resting: bool  # sps at rest: the proposal's survivals are neither read nor recorded
+
+
+class CapacityController(DepthControl):
+    """All capacity-control state of one speculator, and the only object vLLM's runner
+    patches and the speculator ask about it. Per decode step the runner patches call
+    :meth:`plan_step` (on the host: what the step verifies, in which layout) and
+    :meth:`admit_step` (on the device: k_r per request); the speculator calls
+    :meth:`plan_proposal` before each proposal (whether and how deep it drafts, after
+    taking in what the step just run verified and how long it took) and
+    :meth:`observe_proposal` after it (its survivals). ``previous``: the controller this
+    one replaces in a running engine, whose measured costs and profiles it keeps."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        options: DSparkOptions,
+        num_drafts: int,
+        max_num_reqs: int,
+        previous: CapacityController | None = None,
+    ) -> None:
+        self.vllm_config, self.device, self.options = vllm_config, device, options
+        self.num_speculative_steps, self.max_num_reqs = num_drafts, max_num_reqs
+        # Positions the next proposal computes: all K unless the speculator captured a
+        # draft graph per depth (``varies_depth``, set by the speculator).
+        self.draft_depth = num_drafts
+        self.varies_depth = previous.varies_depth if previous is not None else False
+        # Called with (slots, drafts verified, drafts accepted) per verified step, by a
+        # speculator that reads them (calibration metrics, online STS).
+        self.verification_reader = previous.verification_reader if previous else None
         self.controls_capacity = options.capacity != "off"
         # Per request slot: the survival of the drafts it waits to have verified.
         self.slot_survival = torch.ones(
@@ -135,7 +165,7 @@ class CapacityControl(DepthControl):
         # sps: the step's time outside the curve, measured once per engine (switched
         # between arms, it keeps the host's costs); the compaction wrapper sets the tokens
         # the running step verifies (None: not a decode step).
-        self.measured_overhead = getattr(self, "measured_overhead", None)
+        self.measured_overhead = previous.measured_overhead if previous else None
         self.step_overhead = None
         self.step_tokens = None
         self.steps_since_varied = 0
@@ -148,7 +178,7 @@ class CapacityControl(DepthControl):
             self.step_overhead = StepOverhead(device, options.step_overhead_ms / 1000.0)
         # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve);
         # an engine switched back to auto (switch_capacity) reuses its profile.
-        self.profiled_sps_curve = getattr(self, "profiled_sps_curve", None)
+        self.profiled_sps_curve = previous.profiled_sps_curve if previous else None
         auto_sps = uses_curve and options.sps_curve == "auto"
         self.needs_sps_profile = auto_sps and self.profiled_sps_curve is None
         if self.needs_sps_profile and not has_full_decode_graphs(vllm_config):
@@ -167,7 +197,7 @@ class CapacityControl(DepthControl):
             self.set_sps_curve(options.sps_curve, device)
         # Whether to draft at all (sps with profiled costs), and whether the last proposal
         # did: the step verifying a skipped proposal verifies nothing.
-        self.profiled_draft_ms = getattr(self, "profiled_draft_ms", None)
+        self.profiled_draft_ms = previous.profiled_draft_ms if previous else None
         self.draft_tables: dict[int, torch.Tensor] = {}  # seconds per proposal, per depth
         self.draft_gate = None
         self.slowest_request: SlowestRequest | None = None  # gate_objective=batch
@@ -178,7 +208,7 @@ class CapacityControl(DepthControl):
         self.proposals_at_depth = [0] * num_drafts
         # Per decode step while a benchmark traces one batch (None: not tracing):
         # what each step decided and on what (:meth:`trace_step`).
-        self.step_trace: list[list] | None = getattr(self, "step_trace", None)
+        self.step_trace: list[list] | None = previous.step_trace if previous else None
         # plain_steps: the drafts the scheduler gave the next step (the compaction wrapper
         # sets it; None: not known), and the gate's verdict for the scheduler. K at first,
         # so that an engine switched away from plain steps schedules drafts again.
@@ -242,38 +272,119 @@ class CapacityControl(DepthControl):
         if self.controls_capacity:
             check_compaction_supported(vllm_config)
 
-    def switch_capacity(self, updates: dict) -> DSparkOptions:
-        """Replace the capacity options of a running engine by ``updates`` (keys of
-        ``SWITCHABLE`` without the prefix); the counters restart. Refuses what start-up did
-        not prepare."""
-        from pydantic import ValidationError
+    # The runner patches' interface.
 
-        from vllm_dspark.patches import compact_verification
+    def plan_step(self, step: StepFacts) -> StepPlan | None:
+        """Before a step runs: what it verifies (None: vLLM's own step, every draft
+        verified), noting what the step-time fit reads of it."""
+        self.next_step_drafts = step.next_step_drafts
+        if self.options.plain_steps and step.plain_decode:
+            # Timed apart: the draft gate weighs drafting against this step's cost.
+            self.step_tokens, self.step_plain = step.num_reqs, True
+        plan = self._step_budget(step)
+        if plan is not None and self.masked_step_drafts > 0:
+            # The target runs every draft: what the step's forward costs.
+            self.step_tokens = step.num_reqs * (1 + self.masked_step_drafts)
+            plan = StepPlan(plan.budget, masked=True)
+        # Timed apart from vLLM's own steps: the compaction premium (step_overhead.py).
+        self.step_compacted = plan is not None and not plan.masked and plan.mixed is None
+        return plan
 
-        unknown = sorted(set(updates) - SWITCHABLE)
-        if unknown:
-            raise DSparkOptionError(
-                f"vllm-dspark: cannot switch {unknown} in a running engine; "
-                f"switchable: {sorted(SWITCHABLE)}."
-            )
-        kept = {k: v for k, v in self.options.non_default().items() if k not in SWITCHABLE}
-        try:
-            options = DSparkOptions.model_validate(kept | updates)
-        except ValidationError as error:
-            raise DSparkOptionError(f"vllm-dspark: {error}") from error
-        missing = []
-        if options.capacity != "off" and not compact_verification.is_applied():
-            missing.append("capacity control (start with a dspark_capacity mode)")
-        if options.dynamic_depth and not getattr(self, "_depth_graphs", None):
-            missing.append("per-depth draft graphs (start with dspark_dynamic_depth)")
-        auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
-        if auto_sps and self.profiled_sps_curve is None:
-            missing.append("an SPS profile (start with dspark_capacity=sps)")
-        if missing:
-            raise DSparkOptionError(f"vllm-dspark: this engine was started without {missing}.")
-        self.options = options
-        self._init_capacity(self.vllm_config, self.device)
-        return options
+    def _step_budget(self, step: StepFacts) -> StepPlan | None:
+        """B for a step that can be compacted, else None (all K drafts are verified)."""
+        if self.resting:
+            # sps at rest (rest.py): vLLM's own step, its requests not sorted out.
+            self.record_full_admission(step.num_drafting)
+            return None
+        decoding = step.count_decoding()
+        if decoding is None:
+            return None
+        num_drafts = self.num_speculative_steps
+        mixed = decoding < step.num_reqs
+        budget = self.admission_budget(decoding, vary=not mixed)
+        if not mixed:  # what the step verifies, for sps (a step with prompts is off its curve)
+            self.step_tokens = decoding + budget
+        if budget == decoding * num_drafts:
+            # Every draft admitted: compaction would be the identity. vLLM's own step (and
+            # its uniform-decode graph) runs the same tokens with less host work.
+            self.record_full_admission(decoding)
+            return None
+        if not mixed:
+            return StepPlan(budget)
+        dropped = decoding * num_drafts - budget
+        return StepPlan(budget, mixed=(decoding, step.num_tokens - dropped))
+
+    @property
+    def splits_by_survival(self) -> bool:
+        """Whether a step's budget goes to the requests' likeliest drafts (every mode but
+        ``acceptance``, which verifies one depth for all): only then does the room a
+        request has left before its max_tokens matter."""
+        return self.acceptance is None
+
+    def admit_step(
+        self,
+        req_ids: list[str],
+        slots: torch.Tensor,
+        budget: int,
+        emit_room: torch.Tensor | None,
+        from_graph: bool,
+        mixed: bool,
+    ) -> torch.Tensor:
+        """k_r of each decoding request of a step verifying ``budget`` drafts (on the
+        device), recorded for the metrics (``from_graph``: the step replays a FULL graph;
+        ``mixed``: it also carries prompts)."""
+        capacity = self.verify_capacity(slots, budget, emit_room)
+        self.record_admission(req_ids, budget, from_graph, capacity, mixed)
+        return capacity
+
+    def hold_masked_drafts(self, dropped: torch.Tensor) -> None:
+        """A masked step's drafts per batch row that it runs but does not verify, until
+        its sampling counts them rejected (:meth:`take_masked_drafts`)."""
+        self.masked_drafts = dropped
+
+    def take_masked_drafts(self) -> torch.Tensor | None:
+        masked, self.masked_drafts = self.masked_drafts, None
+        return masked
+
+    def take_step_report(self):
+        """What the step's output tells the scheduler, once: (request ids, k_r on the host
+        once its copies are done) of a compacted step, and the drafts the coming steps
+        should schedule with plain steps (each None when there is nothing to tell)."""
+        return self.take_admission(), self.take_gate_report()
+
+    # The speculator's interface.
+
+    def plan_proposal(self, input_batch, num_sampled: torch.Tensor) -> ProposalPlan:
+        """Before a real proposal: take in what the step just run verified and how long
+        it took, then decide whether the proposal drafts and how many positions it
+        computes (``draft_depth``)."""
+        num_reqs = input_batch.num_reqs
+        drafting = self._rest_proposal(num_reqs)
+        if drafting is not None:
+            self.drafted_last = drafting
+            return ProposalPlan(drafting, resting=True)
+        self._observe_real_step(input_batch, num_sampled)
+        self._use_depth(self.proposal_depth(num_reqs))
+        drafting = self._decide_drafting(num_reqs, self.draft_depth)
+        if drafting and self.gate_depth < self.draft_depth:
+            self._use_depth(self.gate_depth)  # the shallower depth the draft gate chose
+        if drafting:
+            self.proposals_at_depth[self.draft_depth - 1] += 1
+        if drafting and self.slowest_request is not None:
+            self.slowest_request.start(input_batch.req_ids, input_batch.idx_mapping_np)
+        self.drafted_last = drafting
+        return ProposalPlan(drafting, resting=False)
+
+    def observe_proposal(self, slots: torch.Tensor, survival: torch.Tensor) -> None:
+        """After a real proposal not at rest: its rows' prefix survivals [R, K], by
+        request slot."""
+        self.slot_survival[slots] = survival
+        if self.drafted_last:
+            self.record_proposal(survival, slots)
+
+    def _use_depth(self, depth: int) -> None:
+        if self.varies_depth:
+            self.draft_depth = depth
 
     def set_draft_cost(self, rows_by_depth: dict[int, list[tuple[int, float]]]) -> None:
         """{depth: [(requests, ms)]} of one proposal, profiled at start-up per depth whose
@@ -317,7 +428,7 @@ class CapacityControl(DepthControl):
         capacity = self.options.capacity
         return capacity == "sps" or (capacity == "acceptance" and self.options.plain_steps)
 
-    def plan_proposal(self, num_reqs: int, depth: int) -> bool:
+    def _decide_drafting(self, num_reqs: int, depth: int) -> bool:
         """Whether the coming proposal drafts: unless the draft gate closes, or (plain
         steps) the step it proposes for was scheduled without drafts."""
         gate_open = self._gate_open(num_reqs, depth)
@@ -382,15 +493,16 @@ class CapacityControl(DepthControl):
     def set_sps_curve(self, curve: list, device: torch.device, profiled: bool = False) -> None:
         if profiled:
             self.profiled_sps_curve = curve
+            self.needs_sps_profile = False
         max_tokens = self.max_num_reqs * (1 + self.num_speculative_steps)
         table = sps_table_from_curve(curve, max_tokens)
         self.sps_table_host = padded_to_graph_sizes(table, graph_sizes(self.vllm_config)).double()
         self.sps_table = self.sps_table_host.float().to(device)
 
-    def observe_real_step(self, input_batch, num_sampled: torch.Tensor) -> None:
+    def _observe_real_step(self, input_batch, num_sampled: torch.Tensor) -> None:
         """At a real proposal: what the step that just ran verified, and its time."""
         self._observe_verification(input_batch, num_sampled)
-        self.observe_step(input_batch.num_reqs)
+        self._observe_step_time(input_batch.num_reqs)
 
     def _observe_verification(self, input_batch, num_sampled: torch.Tensor) -> None:
         """The step's verified and accepted drafts, per position for the acceptance
@@ -404,13 +516,15 @@ class CapacityControl(DepthControl):
     @property
     def _reads_verification(self) -> bool:
         """Whether anything reads what each step verified and accepted."""
-        return self.acceptance is not None
+        return self.acceptance is not None or self.verification_reader is not None
 
     def _observe_drafted(
         self, input_batch, num_verified: torch.Tensor, num_accepted: torch.Tensor
     ) -> None:
-        """Per request of the step that just ran: its drafts verified and accepted (for a
-        speculator's own readers)."""
+        """Per request of the step that just ran: its drafts verified and accepted, for
+        the speculator's own reader."""
+        if self.verification_reader is not None:
+            self.verification_reader(input_batch.idx_mapping, num_verified, num_accepted)
 
     def drafted_verification(self, input_batch, num_sampled: torch.Tensor) -> Verification:
         """What the step that just ran verified and accepted, per request and per position,
@@ -428,7 +542,7 @@ class CapacityControl(DepthControl):
             )
         return drafted_counts(cu_num_logits, num_sampled, depth, num_drafts)
 
-    def observe_step(self, num_reqs: int) -> None:
+    def _observe_step_time(self, num_reqs: int) -> None:
         """At a real proposal, for ``sps``: the step that just ran is one sample of the
         time outside the curve (:mod:`step_overhead`)."""
         if self.step_overhead is None or self.sps_table_host is None:
@@ -461,7 +575,7 @@ class CapacityControl(DepthControl):
         """sps at rest (:mod:`vllm_dspark.capacity.rest`): steps verify every draft."""
         return self.rest is not None and self.rest.resting
 
-    def rest_proposal(self, num_reqs: int) -> bool | None:
+    def _rest_proposal(self, num_reqs: int) -> bool | None:
         """At a real proposal: None when it does not rest, else whether it drafts (at full
         depth, without the controller's work: survivals, statistics, gate); plain steps:
         not for a step the scheduler gave no drafts."""
@@ -583,7 +697,7 @@ class CapacityControl(DepthControl):
         """k_r of each request: the same depth for all (acceptance), else the ``budget``
         best slots by proposal-time survival, where a request's slots past ``emit_room``
         (the drafts it can still emit before its max_tokens,
-        :func:`vllm_dspark.patches.compact_verification.emit_room`) come last:
+        :func:`vllm_dspark.verify.layout.emit_room`) come last:
         the budget goes to requests that can use it."""
         if self.acceptance is not None:
             return torch.full_like(slots, budget // len(slots), dtype=torch.int64)
@@ -724,30 +838,6 @@ class CapacityControl(DepthControl):
                 self.gate_snapshot = earlier
             if earlier is not None and depth_reads:
                 self.depth_snapshots.append(earlier)
-
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        """The drafter's graph managers, listed without plain steps' Dynamic SD table
-        (:func:`~vllm_dspark.capacity.plain_steps.without_dynamic_sd_table`)."""
-        with without_dynamic_sd_table(self.vllm_config):
-            self._init_draft_graph_managers(cudagraph_mode)
-
-    def _init_draft_graph_managers(self, cudagraph_mode) -> None:
-        super().init_cudagraph_manager(cudagraph_mode)
-
-    def draft_graph_managers(self) -> dict:
-        """{depth: its draft graph manager}, which the draft gate's costs are timed on: the
-        full depth's (none before graphs exist)."""
-        graphs = self.query_cudagraph_manager
-        return {self.num_speculative_steps: graphs} if graphs else {}
-
-    def set_attn(
-        self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
-    ):
-        super().set_attn(
-            model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
-        )
-        if self.controls_capacity and self.options.varlen_verify:
-            check_compaction_backends(target_attn_groups, self.draft_attn_layer_names)
 
 
 def _tp_reduce_max():

@@ -5,7 +5,7 @@ position) gives a confidence head nothing to predict. With ``dspark_synthetic_co
 each draft k of request r gets a confidence c(r, k) = sigmoid(b_k + LOGIT_SPREAD * e),
 e ~ N(0, 1), drawn inside the captured draft graph in place of the confidence head;
 verification then accepts it with probability c(r, k) given its prefix was accepted
-(:mod:`vllm_dspark.patches.calibrated_synthetic`). Confidence is calibrated by
+(:mod:`vllm_dspark.bench.synthetic_acceptance`). Confidence is calibrated by
 construction, so capacity control sees what a perfect head would tell it.
 
 Two choices make the draws stand for a trained head on a real acceptance profile:

@@ -4,7 +4,7 @@ What: wraps ``rejection_sample`` as bound in ``vllm.v1.worker.gpu.spec_decode.
 rejection_sampler``. vLLM's kernel runs in its synthetic mode with every rate at 1 (each
 verified draft accepted, the sampled tensor laid out as usual); then each request's
 accepted count is cut where a uniform draw first reaches above the draft's confidence
-(:func:`vllm_dspark.capacity.synthetic.accepted_lengths`), from the confidences the
+(:func:`vllm_dspark.bench.synthetic.accepted_lengths`), from the confidences the
 speculator drew for the drafts being verified; the draw is a function of the request's
 seed and the draft's position (common to every arm that drafts it).
 Why: vLLM 0.26.0's synthetic acceptance has one rate per position, so a capacity
@@ -23,8 +23,8 @@ import weakref
 
 import torch
 
+from vllm_dspark.bench.synthetic import acceptance_draws, accepted_lengths
 from vllm_dspark.capacity.allocation import conditional_confidence, verification_counts
-from vllm_dspark.capacity.synthetic import acceptance_draws, accepted_lengths
 from vllm_dspark.patches.wrapping import wrap
 
 SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
@@ -47,7 +47,7 @@ def _make_wrapper(rejection_sample):
         sampled, num_sampled = rejection_sample(*call.args, **call.kwargs)
         num_verified, _ = verification_counts(cu_num_logits, num_sampled)
         slots = call.arguments["idx_mapping"].long()
-        confidence = conditional_confidence(speculator.slot_survival[slots])
+        confidence = conditional_confidence(speculator.controller.slot_survival[slots])
         first_positions = call.arguments["pos"][cu_num_logits[:-1].long()]
         seeds = call.arguments["seed"][slots]
         uniform = acceptance_draws(seeds, first_positions, confidence.shape[1])
