@@ -6,7 +6,7 @@
 With one row shared by every position over ``[h ; markov ; l]`` (l: the draft's top-1
 log-probability), no choice of STS temperatures brings the pair's survival ECE at
 position 2 under 0.042 (``sts_ceiling.json``). This refits the head as
-``tiny_pair.evaluate.refit_position_heads`` does at the end of training, one row per
+``lab.tiny_pair.evaluate.refit_position_heads`` does at the end of training, one row per
 position over ``[h ; markov ; l ; log(1 - e^l)]``, and measures both heads on the same
 steps. Everything in PyTorch, float32, greedy, k = 7, outside vLLM:
 

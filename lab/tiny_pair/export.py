@@ -6,6 +6,7 @@ every name with ``model.`` and maps ``q/k/v_proj`` and ``gate/up_proj`` onto its
 layers; it skips ``confidence_head.*`` (this plugin loads those) and, as the file has no
 ``embed_tokens`` / ``lm_head``, vLLM's ``load_dspark_model`` aliases the target's. Weights
 are bf16 except the confidence head, kept in float32 for its calibration.
+``vllm_dspark.tiny_pair.load`` reads the draft back into the PyTorch drafter.
 """
 
 from __future__ import annotations
