@@ -2,7 +2,7 @@
 k=7, on the capacity sweep's own prompts (CPU, float32, PyTorch reference pair).
 
 Greedy verification commits the target's greedy continuation whatever the drafts, so each
-request's decode steps follow from its drafts alone (``vllm_dspark.tiny_pair.evaluate``):
+request's decode steps follow from its drafts alone (``lab.tiny_pair.evaluate``):
 after the prefill step (one token), a step from anchor p accepts the a leading drafts that
 match and commits a + 1 tokens. With every request submitted at once, as in
 ``offline_sweep.py``, a batch lasts as many steps as its slowest request needs; this
@@ -21,17 +21,21 @@ import argparse
 import datetime
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from offline_sweep import heldout_stream, sweep_prompts
 
-from vllm_dspark.demo import EMBEDDED_PAIR
-from vllm_dspark.tiny_pair.drafter import SharedTargetWeights
-from vllm_dspark.tiny_pair.evaluate import greedy_walk
-from vllm_dspark.tiny_pair.reference import load_reference_pair
-from vllm_dspark.tiny_pair.target import generate_continuations, target_features
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/, vllm_dspark/
+
+from offline_sweep import heldout_stream, sweep_prompts  # noqa: E402
+
+from lab.tiny_pair.evaluate import greedy_walk  # noqa: E402
+from vllm_dspark.demo import EMBEDDED_PAIR  # noqa: E402
+from vllm_dspark.tiny_pair.drafter import SharedTargetWeights  # noqa: E402
+from vllm_dspark.tiny_pair.reference import load_reference_pair  # noqa: E402
+from vllm_dspark.tiny_pair.target import generate_continuations, target_features  # noqa: E402
 
 
 def sweep_batches(concurrency: int, repeats: int, min_requests: int) -> list[list[list[int]]]:

@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from serving import scrape_metrics, vllm_server
 from shapes import SHAPES, write_shape
 
 from vllm_dspark.demo import EMBEDDED_PAIR
-from vllm_dspark.serving import scrape_metrics, vllm_server
 
 COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # vllm_dspark, from a checkout
+sys.path.insert(0, str(ROOT))  # lab/, vllm_dspark/
 sys.path.insert(0, str(ROOT / "benchmarks"))  # online_sts_convergence
 sys.path.insert(0, str(ROOT / "tools"))  # refit_confidence_head, sts_ceiling
 
@@ -31,9 +31,9 @@ from online_sts_convergence import warm_prompts  # noqa: E402
 from refit_confidence_head import online_sts  # noqa: E402
 from sts_ceiling import cpu_record_header  # noqa: E402
 
+from lab.tiny_pair.calibration import calibration_report  # noqa: E402
+from lab.tiny_pair.evaluate import verify_records  # noqa: E402
 from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts  # noqa: E402
-from vllm_dspark.tiny_pair.calibration import calibration_report  # noqa: E402
-from vllm_dspark.tiny_pair.evaluate import verify_records  # noqa: E402
 from vllm_dspark.tiny_pair.reference import load_reference_pair  # noqa: E402
 
 EVALUATED = 200  # the shipped prompts the GPU run evaluates on; the rest warm it up

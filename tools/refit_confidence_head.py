@@ -6,7 +6,7 @@
 With one row shared by every position over ``[h ; markov ; l]`` (l: the draft's top-1
 log-probability), no choice of STS temperatures brings the pair's survival ECE at
 position 2 under 0.042 (``sts_ceiling.json``). This refits the head as
-``tiny_pair.evaluate.refit_position_heads`` does at the end of training, one row per
+``lab.tiny_pair.evaluate.refit_position_heads`` does at the end of training, one row per
 position over ``[h ; markov ; l ; log(1 - e^l)]``, and measures both heads on the same
 steps. Everything in PyTorch, float32, greedy, k = 7, outside vLLM:
 
@@ -39,26 +39,27 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/, vllm_dspark/
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sts_ceiling
 
 from sts_ceiling import cpu_record_header, study  # noqa: E402
 
-from vllm_dspark.capacity.online_sts import OnlineSTS  # noqa: E402
-from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts  # noqa: E402
-from vllm_dspark.tiny_pair import corpus, export  # noqa: E402
-from vllm_dspark.tiny_pair.calibration import (  # noqa: E402
+from lab.tiny_pair import corpus, export  # noqa: E402
+from lab.tiny_pair.calibration import (  # noqa: E402
     calibration_report,
     fit_sequential_temperature_scaling,
 )
-from vllm_dspark.tiny_pair.drafter import DSparkDrafter  # noqa: E402
-from vllm_dspark.tiny_pair.evaluate import (  # noqa: E402
+from lab.tiny_pair.evaluate import (  # noqa: E402
     head_logits,
     refit_position_heads,
     sample_prompts,
     verify_records,
     with_position_heads,
 )
+from vllm_dspark.capacity.online_sts import OnlineSTS  # noqa: E402
+from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts  # noqa: E402
+from vllm_dspark.tiny_pair.drafter import DSparkDrafter  # noqa: E402
+from vllm_dspark.tiny_pair.load import CONFIDENCE_PREFIX  # noqa: E402
 from vllm_dspark.tiny_pair.reference import load_reference_pair  # noqa: E402
 
 PROMPT_LEN = 64
@@ -124,7 +125,7 @@ def write_pair(drafter: DSparkDrafter, head: dict, calibration: dict) -> None:
     }
     refitted = DSparkDrafter(with_position_heads(drafter.config))
     state = drafter.state_dict()
-    state.update({f"{export.CONFIDENCE_PREFIX}{k}": v for k, v in head.items()})
+    state.update({f"{CONFIDENCE_PREFIX}{k}": v for k, v in head.items()})
     refitted.load_state_dict(state)
     export.export_draft(refitted, special_ids, calibration, draft_dir)
 

@@ -28,18 +28,18 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/, vllm_dspark/
 
-from vllm_dspark.tiny_pair.calibration import (  # noqa: E402
+from lab.tiny_pair.calibration import (  # noqa: E402
     DEFAULT_NUM_BINS,
     calibration_report,
     expected_calibration_error,
     fit_sequential_temperature_scaling,
-    sigmoid,
     survival,
     survival_events,
     temperature_grid,
 )
+from vllm_dspark.tiny_pair.drafter import sigmoid  # noqa: E402
 
 NOISE_DRAWS = 200
 PLATT_BIASES = np.linspace(-2.0, 2.0, 81)
@@ -139,8 +139,8 @@ def simulate(num_prompts: int, new_tokens: int, threads: int):
     temperatures) of greedy verify steps over the first ``num_prompts`` held-out prompts."""
     import torch
 
+    from lab.tiny_pair.evaluate import verify_records
     from vllm_dspark.demo import EMBEDDED_PAIR, load_prompts
-    from vllm_dspark.tiny_pair.evaluate import verify_records
     from vllm_dspark.tiny_pair.reference import load_reference_pair
 
     torch.set_num_threads(threads)

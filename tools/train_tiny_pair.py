@@ -14,26 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import sys
 import time
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def import_tiny_pair():
-    """Import vllm_dspark.tiny_pair without running vllm_dspark/__init__.py.
-
-    The package's own __init__ registers the vLLM plugin and so needs vLLM, which the
-    training interpreter does not have; the tiny_pair subpackage needs none of it.
-    """
-    if "vllm_dspark" not in sys.modules:
-        package = types.ModuleType("vllm_dspark")
-        package.__path__ = [str(REPO / "vllm_dspark")]
-        sys.modules["vllm_dspark"] = package
-    return importlib.import_module("vllm_dspark.tiny_pair.train")
+sys.path.insert(0, str(REPO))  # lab/, vllm_dspark/
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,8 +87,7 @@ def with_budgets(config, args):
 
 def main() -> None:
     args = parse_args()
-    train = import_tiny_pair()
-    from vllm_dspark.tiny_pair import export
+    from lab.tiny_pair import export, train
 
     if args.unpack is not None:
         export.unpack_export(args.unpack, args.export_dir)

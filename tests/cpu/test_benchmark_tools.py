@@ -803,7 +803,7 @@ def stub_server(tmp_path):
     import time
     import urllib.request
 
-    from vllm_dspark.serving import free_port
+    from serving import free_port
 
     (tmp_path / "stub_server.py").write_text(STUB_SERVER)
     port = free_port()
@@ -845,7 +845,7 @@ def test_batch_steps_walk_a_request_and_a_batch():
     import numpy as np
     from batch_steps import batch_row
 
-    from vllm_dspark.tiny_pair.evaluate import greedy_walk
+    from lab.tiny_pair.evaluate import greedy_walk
 
     # 128 output tokens: the prefill commits the first, decode anchors 0..126 the rest.
     K, output_len = 7, 128

@@ -87,7 +87,7 @@ def test_ece_and_auroc_follow_the_trainers_definitions():
     tie error of 150 bins of the exact one."""
     import numpy as np
 
-    from vllm_dspark.tiny_pair.calibration import auroc, expected_calibration_error
+    from lab.tiny_pair.calibration import auroc, expected_calibration_error
 
     gen = torch.Generator().manual_seed(3)
     survival = random_survival(20_000, gen)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from reference_step import Admission, ToyPair, first_tokens
 
 from vllm_dspark.capacity.allocation import (
     budget_capacity,
@@ -12,7 +13,6 @@ from vllm_dspark.capacity.allocation import (
     sps_table_from_curve,
     threshold_count,
 )
-from vllm_dspark.capacity.reference import Admission, ToyPair, first_tokens
 
 VOCAB, REQS, DRAFTS = 5, 4, 4
 BATCHES = 5000  # x REQS requests = 20,000 samples per mode

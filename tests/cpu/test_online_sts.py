@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from lab.tiny_pair.calibration import expected_calibration_error
 from vllm_dspark.capacity.online_sts import OnlineSTS
-from vllm_dspark.tiny_pair.calibration import expected_calibration_error
 
 K = 3
 

@@ -68,7 +68,7 @@ def test_noise_floor_shrinks_with_more_steps():
 def test_online_sts_replay_recovers_an_overconfident_heads_temperature():
     from refit_confidence_head import online_sts
 
-    from vllm_dspark.tiny_pair.calibration import calibration_report
+    from lab.tiny_pair.calibration import calibration_report
 
     logits, accepted, _ = records(scale=2.0, steps=40_000)
     temperatures, refits = online_sts(logits, accepted, steps=2000, rows=16, seed=0)

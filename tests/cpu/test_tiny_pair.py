@@ -11,22 +11,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lab.tiny_pair import calibration as cal
+from lab.tiny_pair import corpus, export
+from lab.tiny_pair.loss import DSparkLossWeights, dspark_loss, position_weights, total_variation
+from lab.tiny_pair.train import OptimConfig, TimedTraining, make_optimizer
 from vllm_dspark.capacity.confidence import TOP1_LOGPROB_CAP
-from vllm_dspark.tiny_pair import calibration as cal
-from vllm_dspark.tiny_pair import corpus, export
+from vllm_dspark.tiny_pair import load
 from vllm_dspark.tiny_pair.drafter import (
     DrafterConfig,
     DSparkDrafter,
-    DSparkLossWeights,
     SharedTargetWeights,
     block_attention_mask,
-    dspark_loss,
-    position_weights,
-    total_variation,
 )
 from vllm_dspark.tiny_pair.reference import load_reference_pair, propose_draft_tokens
 from vllm_dspark.tiny_pair.target import TargetConfig, build_target, target_features
-from vllm_dspark.tiny_pair.train import OptimConfig, TimedTraining, make_optimizer
 
 VOCAB = 320
 TARGET = TargetConfig(
@@ -282,7 +280,7 @@ def test_export_layout_and_names(exported_pair):
     assert draft["architectures"] == ["Qwen3DSparkModel"]
     assert draft["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [0, 2]}
     assert draft["enable_confidence_head"] and draft["confidence_head_with_markov"]
-    assert draft[export.DRAFT_LOGPROB_KEY] is False
+    assert draft[load.DRAFT_LOGPROB_KEY] is False
     names = export.describe_tensor_file(exported_pair / "draft" / "model.safetensors")
     assert names["confidence_head.weight"] == [1, 32 + 4]
     assert names["markov_head.markov_w1.weight"] == [VOCAB, 4]
@@ -318,7 +316,7 @@ def test_reference_pair_round_trips_through_the_export(pair, exported_pair):
 
 
 def test_export_loads_in_vllm(vllm_cpu, exported_pair):
-    from vllm_dspark.tiny_pair.vllm_check import check_pair_against_vllm
+    from lab.tiny_pair.vllm_check import check_pair_against_vllm
 
     report = check_pair_against_vllm(exported_pair / "target", exported_pair / "draft")
     assert report.ok, report.problems
@@ -329,7 +327,7 @@ def test_export_loads_in_vllm(vllm_cpu, exported_pair):
 
 
 def test_vllm_check_catches_a_missing_tensor(vllm_cpu, exported_pair, tmp_path):
-    from vllm_dspark.tiny_pair.vllm_check import check_pair_against_vllm
+    from lab.tiny_pair.vllm_check import check_pair_against_vllm
 
     broken = tmp_path / "draft"
     broken.mkdir()
@@ -382,7 +380,7 @@ def test_position_heads_learn_each_positions_conditional_acceptance():
 
 
 def test_refit_position_heads_reads_the_draft_statistics():
-    from vllm_dspark.tiny_pair.evaluate import VerifyRecords, head_logits, refit_position_heads
+    from lab.tiny_pair.evaluate import VerifyRecords, head_logits, refit_position_heads
 
     rng = np.random.default_rng(2)
     n, k, d = 20000, 2, 3
@@ -454,11 +452,11 @@ def test_plugin_confidence_head_follows_the_checkpoint_layout(
     calibration = {"method": "sts", "temperatures": [1.0] * 7}
     export.export_draft(logprob_drafter, special_ids, calibration, tmp_path / "draft")
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
-    assert config[export.DRAFT_LOGPROB_KEY] is True
-    assert config[export.DRAFT_MISS_LOGPROB_KEY] is True
+    assert config[load.DRAFT_LOGPROB_KEY] is True
+    assert config[load.DRAFT_MISS_LOGPROB_KEY] is True
     assert "log(1 - exp(" in config["confidence_head_input"]
     draft = tmp_path / "draft"
-    assert export.load_drafter_from_export(draft)[0].config == logprob_drafter.config
+    assert load.load_drafter_from_export(draft)[0].config == logprob_drafter.config
     hidden_and_rank = 32 + 4
     head = ConfidenceHead.from_checkpoint(str(draft), hidden_and_rank, 7, "cpu")
     assert head.reads_draft_logprob and head.reads_draft_miss_logprob and head.per_position
@@ -477,7 +475,7 @@ def test_plugin_confidence_head_follows_the_checkpoint_layout(
     plain = ConfidenceHead.from_checkpoint(str(exported_pair / "draft"), hidden_and_rank, 8, "cpu")
     assert not plain.reads_draft_logprob and not plain.per_position
     torch.testing.assert_close(plain(hidden, markov, logits, 5), plain(hidden, markov, logits))
-    config[export.DRAFT_MISS_LOGPROB_KEY] = False  # now the file's head is one input too wide
+    config[load.DRAFT_MISS_LOGPROB_KEY] = False  # now the file's head is one input too wide
     (draft / "config.json").write_text(json.dumps(config))
     with pytest.raises(DSparkOptionError, match="has 38 inputs.*has 37"):
         ConfidenceHead.from_checkpoint(str(draft), hidden_and_rank, 7, "cpu")

@@ -1,7 +1,7 @@
-"""A tiny target / DSpark-drafter pair trained from scratch for testing vllm-dspark.
+"""The tiny target / DSpark-drafter pair shipped in ``vllm_dspark/data/tiny_pair``.
 
-``tools/train_tiny_pair.py`` runs the pipeline (:mod:`.train`); :mod:`.reference` drafts
-exactly as vLLM's DSpark speculator does, for comparisons; :mod:`.vllm_check` checks an
-exported pair against vLLM. Nothing here imports vLLM at import time, so training runs in
-an interpreter without it.
+:mod:`.drafter` and :mod:`.target` are the pair's models in PyTorch, :mod:`.load` reads an
+exported pair and :mod:`.reference` drafts exactly as vLLM's DSpark speculator does, for
+comparisons and the CPU demo. The trainer that made the pair is ``lab/tiny_pair/`` in the
+repository. Nothing here imports vLLM at import time.
 """

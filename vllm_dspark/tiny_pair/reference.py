@@ -18,9 +18,8 @@ import numpy as np
 import torch
 from transformers import Qwen3ForCausalLM
 
-from .calibration import sigmoid
-from .drafter import DSparkDrafter, SharedTargetWeights
-from .export import load_drafter_from_export
+from .drafter import DSparkDrafter, SharedTargetWeights, sigmoid
+from .load import load_drafter_from_export
 from .target import target_features
 
 

@@ -91,7 +91,8 @@ def main() -> int:
     if args.base_url:
         accuracy = evaluate(config, data, args.base_url, args.concurrency)
     else:
-        from vllm_dspark.serving import vllm_server
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+        from serving import vllm_server
 
         with vllm_server(config.model_name, config.server_args, config.env) as base_url:
             accuracy = evaluate(config, data, base_url, args.concurrency)

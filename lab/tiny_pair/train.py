@@ -32,19 +32,21 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3ForCausalLM
 
+from vllm_dspark.tiny_pair.drafter import DrafterConfig, DSparkDrafter, SharedTargetWeights
+from vllm_dspark.tiny_pair.load import load_drafter_from_export
+from vllm_dspark.tiny_pair.target import (
+    TargetConfig,
+    build_target,
+    generate_continuations,
+    target_features,
+)
+
 from . import export as export_lib
 from .calibration import (
     calibration_report,
     fit_sequential_temperature_scaling,
 )
 from .corpus import MASK_TOKEN, CorpusConfig, CorpusPaths, build_corpus
-from .drafter import (
-    DrafterConfig,
-    DSparkDrafter,
-    DSparkLossWeights,
-    SharedTargetWeights,
-    dspark_loss,
-)
 from .evaluate import (
     EvalConfig,
     acceptance_report,
@@ -55,8 +57,8 @@ from .evaluate import (
     simulate_verify_steps,
     with_position_heads,
 )
+from .loss import DSparkLossWeights, dspark_loss
 from .progress import progress_bar
-from .target import TargetConfig, build_target, generate_continuations, target_features
 
 # Training statistics are read back (one GPU sync) every this many steps.
 LOG_EVERY = 50
@@ -107,7 +109,7 @@ class DrafterTrainConfig:
     time_budget_s: float = 165.0
     max_steps: int = 100_000
     loss: DSparkLossWeights = field(default_factory=DSparkLossWeights)
-    # What the confidence head learns (see drafter.dspark_loss). The paper's "soft_tv" is
+    # What the confidence head learns (see loss.dspark_loss). The paper's "soft_tv" is
     # the acceptance probability of sampled verification; our benchmarks verify greedily,
     # and with soft_tv the calibrated ECE stayed at 0.08-0.14 in CPU trials.
     confidence_label: str = "greedy_match"
@@ -464,7 +466,7 @@ class Pipeline:
         target_dir.mkdir(parents=True, exist_ok=True)
         for name in ("config.json", "generation_config.json", "model.safetensors"):
             shutil.copyfile(export_dir / "target" / name, target_dir / name)
-        drafter, _ = export_lib.load_drafter_from_export(export_dir / "draft")
+        drafter, _ = load_drafter_from_export(export_dir / "draft")
         self.phase_dir("drafter").mkdir(parents=True, exist_ok=True)
         torch.save(
             {"config": drafter.config.to_dict(), "model": drafter.state_dict()},

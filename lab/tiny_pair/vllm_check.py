@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .drafter import apply_rotary, rotary_cos_sin
-from .export import CONFIDENCE_PREFIX, drafter_config_from_dict
+from vllm_dspark.tiny_pair.drafter import apply_rotary, rotary_cos_sin
+from vllm_dspark.tiny_pair.load import CONFIDENCE_PREFIX, drafter_config_from_dict
 
 # Draft parameters vLLM takes from the target (or never uses) instead of the file.
 ALIASED_DRAFT_PARAMETERS = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from vllm_dspark.capacity.confidence import draft_statistics
+from vllm_dspark.tiny_pair.drafter import DrafterConfig, DSparkDrafter, SharedTargetWeights
+from vllm_dspark.tiny_pair.target import generate_continuations, target_features
 
 from .calibration import fit_position_heads
-from .drafter import DrafterConfig, DSparkDrafter, SharedTargetWeights
 from .progress import progress_bar
-from .target import generate_continuations, target_features
 
 
 @dataclass

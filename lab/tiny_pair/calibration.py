@@ -17,12 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_dspark.tiny_pair.drafter import sigmoid
+
 DEFAULT_NUM_BINS = 15
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    # The tanh form does not overflow for large |x|.
-    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
 
 
 def expected_calibration_error(
