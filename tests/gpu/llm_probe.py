@@ -94,11 +94,16 @@ def install_draft_slot_check(worker) -> None:
     check["drafts"] = check["replayed"] = None
     runner.dspark_draft_slot_check = check
 
+    def slot_buffer(name):
+        """A buffer by request slot: the controller holds the survivals."""
+        owner = getattr(speculator, "controller", None) if name == "slot_survival" else speculator
+        return getattr(owner, name, None)
+
     def slot_buffers() -> dict:
         buffers = {"draft_tokens": runner.req_states.draft_tokens}
         for name in ("draft_logits", "slot_survival", "slot_confidence_logits"):
-            if getattr(speculator, name, None) is not None:
-                buffers[name] = getattr(speculator, name)
+            if slot_buffer(name) is not None:
+                buffers[name] = slot_buffer(name)
         return buffers
 
     def sentinel(buffer):
@@ -167,7 +172,7 @@ def install_draft_slot_check(worker) -> None:
                     ("slot_survival", speculator.survival),
                     ("slot_confidence_logits", speculator.confidence_logits),
                 ):
-                    stored = getattr(speculator, name)[slots]
+                    stored = slot_buffer(name)[slots]
                     count("mismatched", name, differing_rows(stored, source[:num_reqs]))
         counts, desc = check["counts"], check["replayed"]
         counts["steps"] += 1
