@@ -259,7 +259,13 @@ def test_each_real_step_tells_the_speculator_what_the_next_step_verifies(sps_spe
         lambda runner, *a, **kw: seen.append(speculator.controller.next_step_drafts)
     )
     runner = SimpleNamespace(speculator=speculator)
-    scheduled = SimpleNamespace(num_spec_tokens_to_schedule=0, num_scheduled_tokens={})
+    scheduled = SimpleNamespace(
+        num_spec_tokens_to_schedule=0,
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_new_reqs=[],
+    )
     execute(runner, scheduled)
     scheduled.num_spec_tokens_to_schedule = K
     execute(runner, scheduled, dummy_run=True)  # vLLM's warm-up steps leave it alone
