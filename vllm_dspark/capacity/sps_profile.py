@@ -10,15 +10,9 @@ host's preparation overlaps the GPU as in serving); the median of ``rounds`` suc
 is kept. Dummy requests attend only their own query tokens, so the curve measures the
 weight-bound cost that dominates decode; long contexts lower SPS at large T further.
 
-Past the largest captured graph the same dummy steps run as real ones do there, without a
-graph (:func:`eager_decode_shapes`): a step one request larger already pays every kernel
-launch (on the H200, Qwen3-8B shape, the target's forward at 1,024 tokens took 34.0 ms
-without a graph and 24.6 ms with one: step_breakdown.json, step_breakdown_graphs1024).
-The curve used to end at the largest graph and be extrapolated at its tokens per second,
-which made those steps look cheap: ``sps`` at 256 requests (graphs to 512 tokens, 5b1d70a)
-admitted 1.7 drafts per request, so most steps ran 600-700 tokens without a graph, and
-reached 0.84x no speculation where closing its gate had reached 1.19x (06f3fff; both
-with the benefit of prompts an earlier arm left in the prefix cache).
+Past the largest captured graph the same dummy steps run without a graph, as real ones do
+there (:func:`eager_decode_shapes`): such a step pays every kernel launch, and
+extrapolating the last graph's rate would make it look cheap.
 
 :func:`time_draft_graphs` times a speculator's captured draft graphs, per batch size:
 what a proposal costs, for deciding whether drafting pays at all.
