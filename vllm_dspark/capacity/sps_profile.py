@@ -1,21 +1,15 @@
 """The target's steps per second against tokens per step (the SPS curve), timed in the
 worker from the runner's own decode path.
 
-For every FULL decode CUDA graph the runner captured (R requests of the runner's decode
-query length, T tokens in all), a dummy decode step goes through ``execute_model`` as
-vLLM's own warm-up runs do: host input preparation, attention metadata, the graph
-replay; then the LM head over the T tokens, as verification computes logits for every
-token. CUDA events around ``repeats`` back-to-back steps give the time per step (the
-host's preparation overlaps the GPU as in serving); the median of ``rounds`` such groups
-is kept. Dummy requests attend only their own query tokens, so the curve measures the
-weight-bound cost that dominates decode; long contexts lower SPS at large T further.
-
-Past the largest captured graph the same dummy steps run without a graph, as real ones do
-there (:func:`eager_decode_shapes`): such a step pays every kernel launch, and
-extrapolating the last graph's rate would make it look cheap.
-
-:func:`time_draft_graphs` times a speculator's captured draft graphs, per batch size:
-what a proposal costs, for deciding whether drafting pays at all.
+For every FULL decode CUDA graph the runner captured (R requests, T tokens in all), dummy
+decode steps go through ``execute_model`` as vLLM's warm-up runs do, plus the LM head over
+the T tokens as verification computes it; CUDA events around ``repeats`` back-to-back steps
+time one step, and the median of ``rounds`` such groups is kept. Dummy requests attend only
+their own query tokens, so the curve measures the weight-bound cost that dominates decode.
+Past the largest graph the same steps run without a graph, as real ones do there
+(:func:`eager_decode_shapes`), rather than extrapolating the last graph's rate, which made
+such steps look cheap. :func:`time_draft_graphs` times a speculator's captured draft graphs
+per batch size: what a proposal costs, for deciding whether drafting pays at all.
 """
 
 from __future__ import annotations

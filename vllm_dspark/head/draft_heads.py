@@ -1,23 +1,17 @@
 """The vocabulary projections a drafter runs: the LM head and DSpark's Markov head.
 
-:class:`DraftHeads` is what the plugin's speculators call for draft logits, Markov
-biases and greedy draft tokens. By default it calls the draft model's own (bf16)
-layers, exactly as stock vLLM does.
-
-With ``dspark_draft_vocab`` the heads score a subset of the vocabulary only (FR-Spec's
-frequency-ranked drafting), on private copies of those rows, so their cost at R*K draft
-rows shrinks with the subset. :meth:`DraftHeads.to_target` maps a subset index to its
-token id and :meth:`DraftHeads.target_logits` scatters logits into the target vocabulary
-with the rest at -inf: a sampled draft's recorded distribution is what it was drawn from,
-so rejection sampling stays exact.
-
-With ``dspark_fp8_draft_head`` (``dspark_fp8_markov_head``) it keeps a private rowwise-FP8
-copy of the LM head (the Markov projection) and runs :mod:`vllm_dspark.head.fp8_head_kernel`.
-The bf16 weights stay untouched and verification runs the target's own head, so outputs
-stay lossless. Greedy drafting with an FP8 head picks among the FP8 logits' top
-``rescore.RESCORE_CANDIDATES`` by the bf16 weights' own dot products, since e4m3 rounding
-alone flips some argmaxes. Under tensor parallelism each rank keeps its own vocabulary
-shard (:mod:`vllm_dspark.head.vocab_shards`).
+:class:`DraftHeads` is what the plugin's speculators call for draft logits, Markov biases
+and greedy draft tokens; by default it calls the draft model's own bf16 layers, as stock.
+With ``dspark_draft_vocab`` the heads score a frequency-ranked subset of the vocabulary
+only (FR-Spec), on private copies of those rows; :meth:`DraftHeads.target_logits` scatters
+logits back with the rest at -inf, so a draft's recorded distribution is what it was drawn
+from and rejection sampling stays exact. With ``dspark_fp8_draft_head``
+(``dspark_fp8_markov_head``) it keeps a private rowwise-FP8 copy of the LM head (the Markov
+projection) run by :mod:`vllm_dspark.head.fp8_head_kernel`; verification keeps the target's
+own bf16 head, so outputs stay lossless. Greedy drafting with an FP8 head rescores the FP8
+logits' top ``rescore.RESCORE_CANDIDATES`` with the bf16 weights, as e4m3 rounding alone
+flips some argmaxes. Under tensor parallelism each rank keeps its own vocabulary shard
+(:mod:`vllm_dspark.head.vocab_shards`).
 """
 
 from __future__ import annotations
