@@ -3,22 +3,14 @@
 DFlash and DSpark drafters attend to K/V of every target token (their "context"), which
 ``precompute_and_store_context_kv`` projects from the target's hidden states and writes to
 the draft layers' caches once per step. vLLM 0.26.0 runs that store eagerly, as its token
-count varies per step: 8 + L kernel launches (L draft layers) whose host cost, 0.35-0.57 ms
-a step on the embedded pair (``step_breakdown_embedded.json``), is far above their GPU time.
-Here the store is captured once per token count of the target's CUDA-graph sizes, on the
-speculator's own fixed buffers (hidden states, context positions, context slot mappings),
-and a step replays the smallest graph that holds its tokens. The rows past the step's
-tokens get slot -1, which every KV-cache write skips, so a replay writes what the eager
-store writes; only where cuBLAS picks another kernel for the padded projection can a K/V
-value differ in its last bits, which may change a draft but never an output (verification
-is exact). A store on other tensors (dummy runs, token counts past the largest graph)
-runs eagerly, as stock.
-
-With the drafter's layers in FP8 (:mod:`vllm_dspark.draft_fp8`), the store keeps the bf16
-projection it was built with.
-
-The method is shadowed on the drafter instance that a vllm-dspark speculator owns, never
-on its class: stock speculators keep stock's eager store.
+count varies per step: 8 + L kernel launches (L draft layers) whose host cost is far above
+their GPU time. Here the store is captured once per token count of the target's CUDA-graph
+sizes, on the speculator's own fixed buffers, and a step replays the smallest graph that
+holds its tokens; rows past the step's tokens get slot -1, which every KV-cache write skips.
+A store on other tensors (dummy runs, token counts past the largest graph) runs eagerly.
+With the drafter's layers in FP8 (:mod:`vllm_dspark.draft_fp8`) the store keeps the bf16
+projection. The method is shadowed on the drafter instance a vllm-dspark speculator owns,
+never on its class: stock speculators keep stock's eager store.
 """
 
 from __future__ import annotations

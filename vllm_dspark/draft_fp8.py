@@ -8,18 +8,13 @@ the same way and multiplies with ``torch._scaled_mm`` (cuBLASLt's rowwise-scaled
 on Hopper). Nothing else changes: the target, its heads and verification keep their
 weights, so outputs stay lossless; only the drafts (and so the acceptance) can differ.
 
-Why not vLLM's online quantisation (``quantization: fp8_per_tensor`` for the draft)?
-vLLM 0.26.0's speculative config builds the draft's model config without the online
-arguments, and with them set by hand the engine core still failed in
-``_get_quantization_config`` (H100, ea69b9f); its DFlash-family drafters also slice their
-context-K/V projection out of each bf16 ``qkv_proj.weight``, which online quantisation
-replaces. Here the drafter loads exactly as stock, the context-K/V projection is built
-from the bf16 weights first (it stays bf16, as stock computes it), and only then do the
-layers change.
-
-Why: at 256 requests a K=7 drafter's backbone runs 8 query tokens per request whatever
-the depth, 2,048 tokens through its layers, about 2.6 ms of a 20-30 ms step (H100,
-b7ae06f), in compute-bound GEMMs that FP8 runs at up to twice the rate.
+Why: under load the drafter's backbone runs 1 + K query tokens per request whatever the
+depth, in compute-bound GEMMs that FP8 runs at up to twice the rate. vLLM 0.26.0's online
+quantisation does not fit the draft model (its speculative config drops the online
+arguments, and DFlash-family drafters slice their context-K/V projection out of each bf16
+``qkv_proj.weight``), so the drafter loads exactly as stock, the context-K/V projection is
+built from the bf16 weights first (it stays bf16, as stock computes it), and only then do
+the layers change.
 """
 
 from __future__ import annotations

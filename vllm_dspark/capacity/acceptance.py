@@ -3,51 +3,23 @@
 ``dspark_capacity=acceptance`` (DFlash, or DSpark without a confidence head) verifies the
 same number d of leading drafts for every request of a decode step.
 
-What it learns. Per draft position j, how many verifications reached j (j was verified
-and every earlier draft accepted) and how many of those accepted it, as counts that decay
-by ``DECAY`` per step; only drafts a proposal computed count (a step vLLM verifies
-uncompacted also verifies placeholders, :meth:`CapacityControl.drafted_verification`).
-Their ratio a_j is the position's acceptance given the ones before.
-A position the current depth does not verify keeps its last ratio (decay scales both of
-its counts alike) until its counts fade out (some hundreds of steps), and one without
-counts takes its predecessor's (1 at first, so the controller starts at K). The
-survival S_j = a_1 ... a_j is the chance that a request accepts its first j drafts, so
-1 + S_1 + ... + S_d is the tokens a request gains per step at depth d. Reading the mean
-accepted length off the steps themselves instead would be censored: at depth d no
-request accepts more than d, so a rule on that mean (such as floor(mean + 1.5)) stalls
-below the depth the drafter deserves.
+It learns, per draft position j, decayed counts of verifications that reached j and of
+those that accepted it; their ratio a_j is j's acceptance given the ones before, and the
+survival S_j = a_1 ... a_j gives 1 + S_1 + ... + S_d tokens a request gains at depth d. (A
+rule on the mean accepted length would be censored: at depth d nobody accepts more than d.)
+A position not verified lately keeps its last ratio; one without counts takes its
+predecessor's (1 at first, so the controller starts at K).
 
-What it picks:
-- with the target's SPS curve (``dspark_sps_curve``, profiled at start-up by default):
-  the depth of most expected tokens per second at the step's R requests,
+With the target's SPS curve, d maximises expected tokens per second at the step's R requests,
 
-      R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + D_d(R) + O + a R + b R d + C [d < K]),
+    R (1 + S_1 + ... + S_d) / (1 / SPS(R (1 + d)) + D_d(R) + O + a R + b R d + C [d < K]),
 
-  O, a, b and C the step's time outside the curve (:mod:`step_overhead`; 0 until fitted;
-  C what a compacted step, d < K, costs beyond vLLM's own),
-  D_d(R) the proposal's profiled time (at depth d with ``dspark_dynamic_depth``, which
-  then computes only the d positions verified; 0 when not profiled).
-  At light load verifying K drafts costs about what verifying one does, so d = K (fixed
-  k=7 beat a length rule by 1.3x at 1 and 16 requests, DFlash on the H200); under load
-  d shrinks.
-- without a curve (no FULL CUDA graphs to profile): the expected accepted length at full
-  depth plus a margin, clamp(floor(S_1 + ... + S_K + 1.5), 1, K).
-
-d drops to a lower target at once. It climbs at once back to a depth it verified within
-the last ``RECENT_STEPS`` steps (those positions' ratios are fresh), and past that by one
-per ``WINDOW_STEPS`` steps (a position not verified lately is a probe). On the H200 at 256
-requests (47bc5ae, DFlash, ``dflash_acceptance_47bc5ae_h200.json``), under a rule that
-climbed one position per window, the recorded batch started at depth 1 after its prefill
-steps and climbed back to depth 3, where it had run before: 11 steps at 24-25 generated
-tokens per ms against 25.9 at depth 3, about 1% of the batch's time. (Replayed on CPU
-with the SPS curve profiled on the same machine minutes later,
-``capacity_qwen3_256_mnbt20480_47bc5ae_h200.json``, a prefill step's proposal at 219
-requests plans depth 2 where 256 requests plan 3.) With this rule the H100's batch
-(651be6c, ``dflash_acceptance.json``) ran depth 3 from its first decode step. The counts are
-of steps already verified (read one step late, :mod:`vllm_dspark.capacity.stale_record`),
-so d never depends on the drafts it is applied to, and speculative sampling stays
-lossless. Host arithmetic on values every tensor-parallel rank reads alike: every rank
-picks the same d.
+with the step's costs of :mod:`step_overhead` and D_d(R) the proposal's profiled time;
+without a curve, d = clamp(floor(S_1 + ... + S_K + 1.5), 1, K). d drops at once, climbs at
+once back to a depth verified within ``RECENT_STEPS``, and past that one per
+``WINDOW_STEPS``. The counts are of steps already verified (read one step late,
+:mod:`stale_record`), so d never depends on the drafts it is applied to and sampling stays
+lossless; every tensor-parallel rank picks the same d.
 """
 
 from __future__ import annotations

@@ -1,52 +1,20 @@
 """How many drafts each request verifies: the capacity modes, as tensor functions.
 
-Inputs are per (request r, draft position k) confidences c(r, k): the DSpark confidence
-head's estimate that draft k survives verification given that drafts 1..k-1 did. The
-prefix survival s(r, k) = c(r, 1) * ... * c(r, k) is non-increasing in k. Each mode
-returns k_r, the number of leading drafts request r verifies in the next target step.
+Inputs are per (request r, draft position k) confidences c(r, k) that draft k survives
+given drafts 1..k-1 did; the prefix survival s(r, k) = c(r, 1) * ... * c(r, k) is
+non-increasing in k. Each mode returns k_r, the leading drafts request r verifies next step.
 
-Why this stays lossless
------------------------
-Speculative sampling reproduces the target distribution for any number of verified
-drafts chosen *before* the drafts are looked at. It breaks when the decision to verify
-draft k depends on draft k itself (DSpark paper, Appendix A): stopping whenever the
-sampled token looks unlikely removes exactly those tokens from the accepted mass.
-DSpark's confidence for position k reads the backbone state h_k, which depends on no
-draft, and the Markov embedding of the *previous* draft x_{k-1} (and, for the embedded
-pair, the top-1 probability of the distribution x_k is drawn from, not x_k), so c(r, k)
-and s(r, k) depend only on drafts before k.
+Every mode verifies the B highest-survival (request, position) slots of the batch
+(:func:`budget_capacity`, ties broken by (request, position)), so each request keeps a
+contiguous prefix. The modes differ in where B comes from: ``budget`` from the batch size,
+``threshold`` from the slots above the threshold in the *previous* proposal, ``sps`` from
+the count that maximised expected tokens per second in the previous proposal. This stays
+lossless because s(r, k) reads no draft at or after k and B reads none of the drafts it
+admits; the host also needs R + B before the step, which the previous proposal's count
+gives without a sync (:mod:`stale_record`). The argument in full is in
+``docs/design/module-notes.md``; ``tests/cpu/test_capacity_reference.py`` checks it.
 
-Every mode is one allocation with a budget B: the B highest-survival (request, position)
-slots of the batch are verified (:func:`budget_capacity`). Slots are ranked by survival
-with ties broken by (request, position), so request r's later slots never rank above its
-slot k; slot (r, k) is admitted iff fewer than B slots of *other* requests or earlier
-positions rank above it. Other requests' drafts are independent of r's, so the decision
-for (r, k) reads nothing of x_k, and each request keeps a contiguous prefix because s is
-non-increasing. The modes differ only in where B comes from, and B must not read the
-drafts it admits:
-
-- ``budget``: B = ceil(R * K * budget_frac), from the batch size alone;
-- ``threshold``: B = the number of slots whose survival was at least the threshold
-  (:func:`threshold_count`) in the *previous* proposal, scaled to the batch size;
-- ``sps``: B = the count that maximised the expected tokens per second
-  (R + sum of the admitted survivals) * SPS(R + admitted) in the previous proposal
-  (:func:`sps_best_count`, a full scan), scaled likewise.
-
-Taking B from the previous proposal is DSpark's production scheme (budget from stale
-confidences, allocation by current ones). It is also what vLLM needs: the number of
-verified tokens, R + B, must be known on the host before the step (it picks the CUDA
-graph and sizes the batch), and the previous proposal's count reaches the host through a
-non-blocking copy of a step the GPU has already finished
-(:mod:`vllm_dspark.capacity.stale_record`), instead of a sync on the current one.
-Deciding B from the *current* survivals would need that sync and, for ``sps``, an early
-stop at the first drop of expected throughput to stay lossless.
-
-``tests/cpu/test_capacity_reference.py`` checks each mode against the target's own
-distribution with a chi-square test, and checks that a mode that looks at the current
-draft's own confidence fails the same test.
-
-All functions are plain tensor code without host synchronisation; the SPS table lives
-on the device.
+Plain tensor code without host synchronisation; the SPS table lives on the device.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """How well the confidence head predicts acceptance, measured while serving.
 
-When the target has verified a request's drafts, the rejection sampler's result (how
-many drafts were verified, how many accepted) is binned against the prefix survivals
-s(r, k) predicted when those drafts were proposed, per position, on the GPU: no host
-synchronisation, integer counts only, so the reduction is exactly the same on every
-tensor-parallel rank.
-
-Two statistics, both free of censoring bias:
-
-- conditional: for position k, requests whose drafts 1..k-1 were accepted and whose
-  draft k was verified: predicted c(r, k) = s(r, k) / s(r, k-1) against "draft k
-  accepted". Capacity control may stop verification early, but it decides from the
-  prediction alone, so the outcome given the prediction is still unbiased.
-- prefix: requests whose K drafts were all verified: predicted s(r, k) against
-  "drafts 1..k all accepted" (the quantity capacity control ranks by).
-
-:meth:`CalibrationStats.summary` turns the counts into per-position ECE and AUROC: ECE
-over the usual 15 equal-width bins (the definition the trainer's STS minimises), AUROC over
-150 finer bins so that few pairs are ties. Beside each ECE it gives the ECE's noise floor:
-the mean ECE, over ``NOISE_DRAWS`` draws, of a head exactly calibrated on the same fine
-bins (each bin's hits drawn from its trials at its mean prediction). On a few thousand
-trials that floor is a sizeable share of a 0.03 target, so an ECE reads against it.
+Once the target has verified a request's drafts, the rejection sampler's result is binned
+against the prefix survivals s(r, k) predicted when those drafts were proposed, per
+position, on the GPU: no host synchronisation, integer counts only, so every
+tensor-parallel rank reduces exactly the same. Two censoring-free statistics: conditional
+(position k given drafts 1..k-1 accepted and k verified: c(r, k) against "k accepted") and
+prefix (all K drafts verified: s(r, k) against "1..k all accepted", what capacity control
+ranks by). :meth:`CalibrationStats.summary` gives per-position ECE (15 bins, as the
+trainer's STS), AUROC (150 finer bins) and, beside each ECE, its noise floor: the ECE of an
+exactly calibrated head on the same trials.
 """
 
 from __future__ import annotations

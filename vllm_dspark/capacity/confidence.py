@@ -1,22 +1,15 @@
 """The DSpark confidence head in inference, and its per-position temperatures.
 
-Stock vLLM 0.26.0 skips the ``confidence_head.*`` weights of a DSpark checkpoint
-(``mtp.<stage>.confidence_head.*`` for DeepSeek-V4, whose DSpark module ships in the
-target's checkpoint). The head is one linear layer over ``[h_k ; markov_w1[x_{k-1}]]``
-(the backbone's output at draft position k, as the speculator hands it to the LM head,
-and the Markov embedding of the previous token), giving the logit z_k
-of "draft k survives given drafts 1..k-1 did". Two config.json keys add inputs, both
-statistics of the draft distribution at k (they depend on x_{k-1}, never on x_k, so
-decisions on them stay lossless): ``confidence_head_draft_logprob``, its top-1
-log-probability l_k, and ``confidence_head_draft_miss_logprob``, log(1 - exp(l_k)), the
-log-probability that the top-1 is not the token (with it the logit can follow the
-log-odds of the top-1, which a linear head over l_k alone cannot). A weight of one row
-is shared by every position (the paper's head); a weight of one row per position gives
-position k its own row (the embedded pair's: a shared row cannot be calibrated at every
-position at once). It runs in fp32 inside the captured draft graph. Temperatures T_k
-(Sequential Temperature Scaling) divide z_k; they come from
-``dspark_confidence_temperature``, else from the checkpoint's ``dspark_calibration.json``,
-else are 1.
+Stock vLLM 0.26.0 skips the ``confidence_head.*`` weights of a DSpark checkpoint (also
+``mtp.<stage>.confidence_head.*`` for DeepSeek-V4). The head is one linear layer over
+``[h_k ; markov_w1[x_{k-1}]]``, giving the logit z_k of "draft k survives given drafts
+1..k-1 did"; two config.json keys add the draft distribution's top-1 log-probability l_k
+(``confidence_head_draft_logprob``) and log(1 - exp(l_k))
+(``confidence_head_draft_miss_logprob``). Both depend on x_{k-1}, never on x_k, so decisions
+on them stay lossless. Its weight is one row shared by every position or one row per
+position. It runs in fp32 inside the captured draft graph. Temperatures T_k (Sequential
+Temperature Scaling) divide z_k; they come from ``dspark_confidence_temperature``, else the
+checkpoint's ``dspark_calibration.json``, else are 1.
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ DRAFT_LOGPROB_KEY = "confidence_head_draft_logprob"
 DRAFT_MISS_LOGPROB_KEY = "confidence_head_draft_miss_logprob"
 # log(1 - e^l) is -inf at l = 0 and amplifies a rounding of l by e^l / (1 - e^l): l is
 # capped at log(0.999) first, so that kernels rounding l differently (vLLM's and the
-# reference's, bf16 logits) read the same input. Tops above 0.999 told the embedded pair's
-# refit nothing more (CPU trial: same ECE and AUROC with caps of 1e-6, 1e-4 and 1e-3).
+# reference's, bf16 logits) read the same input.
 TOP1_LOGPROB_CAP = -1e-3
 
 

@@ -14,10 +14,8 @@ from vllm_dspark.capacity.acceptance import best_depth
 from vllm_dspark.capacity.allocation import best_rates_by_depth, masked_forward_table
 
 # acceptance: a varied step halves every request's depth, so it is taken only where the
-# depth would differ with DRAFT_TIME_DOUBT more per verified draft than fitted. At 16
-# requests (DFlash's profile, the H200's 6.2 ms step, survival 0.16 at position 7) the
-# last position pays up to 15 us a draft, where the H200's runs fitted 0; there two
-# varied steps had cost one engine step more in three batches, 0.99x fixed depth (47bc5ae).
+# depth would differ with DRAFT_TIME_DOUBT more per verified draft than fitted (varied
+# steps where b cannot matter only cost time).
 DRAFT_TIME_DOUBT = 10e-6
 
 

@@ -1,57 +1,23 @@
 """Whether a proposal is worth drafting at all at this load (``sps`` with ``auto``).
 
-The ``sps`` mode picks how many drafts to verify from the target's steps per second,
-SPS(T), but the drafter's own time is spent whatever it admits. Under load a speculative
-step can cost more than it gains even with its best admission, and then the fastest
-choice is not to draft. Before each proposal, with R requests, the recent mean prefix
-survival per position s_1..s_K (:mod:`stale_record`) and the drafter's profiled time
-D(R) for one proposal at the depth it will compute (with dynamic depth each depth's
-graphs are timed: a shallow proposal costs far less than a full one), the expected tokens
-per second of drafting and verifying j positions per request is
+The drafter's time is spent whatever ``sps`` admits, so under load a speculative step can
+cost more than it gains even at its best admission; then the fastest choice is not to
+draft. Before each proposal the gate weighs the expected tokens per second of drafting and
+verifying j positions per request,
 
     R (1 + s_1 + ... + s_j) / (1 / SPS(R (1 + j)) + D(R) + O + b R j + C [j < K]),
 
-j = 1..depth, against R / (1 / SPS(R) + O + S + C) without drafting, O and b being the
-step's time outside the curve, per step (at R requests) and per verified draft, S what a
-skipped proposal still costs and C what a compacted step costs beyond vLLM's own (a step
-after a skipped proposal is compacted to no draft; :mod:`step_overhead`); with plain steps,
-whose cost was measured apart, the side without drafting is a plain step's, R / (1 / SPS(R)
-+ P), P its time outside the curve at R requests. That weighs one depth j for every
-request, where ``sps`` admits the likeliest slots of each: where confidence varies between
-requests the mean survivals undervalue drafting, and can close the gate where admitting the
-likely half of the drafts pays (``tests/cpu/test_draft_gate.py``). So with a recent
-proposal of at least ``SURVIVAL_MEMORY`` requests at hand (``sps``, read on the host two
-proposals late: :class:`~vllm_dspark.capacity.stale_record.StaleSnapshots`), drafting is
-valued by its slots instead: sps's own objective over that proposal's survivals, the step's
-costs as above (:func:`~vllm_dspark.capacity.allocation.best_rates_by_depth`). The gate
-drafts when the best wins, with a 2% hysteresis either way so that noise does not flip it
-every step. With dynamic depth, where the depth planned does not pay, each shallower depth
-d is weighed too, at its own D(R) and j <= d, and the gate drafts the best that pays: at
-256 requests on the Qwen3-8B shape a full K=7 proposal costs 6.5 ms and a depth-2 one 3.5
-ms (``depth_time.json``), while the depth planned only falls once steps verify fewer
-drafts, which a closed gate never lets them do. A skipped proposal still lets the drafter
-store its context K/V (later proposals need it) and verifies no draft: the next step's
-budget is 0 and vLLM runs R tokens, as without speculation. While the gate is closed the
-survival statistics keep their last values, so it reopens as load leaves (smaller R); and
-every ``PROBE_EVERY`` skipped proposals in a row it drafts one anyway, so that survivals
-which were low when it closed (or the first steps' guesses) are measured again rather than
-kept for good. With plain steps a probe drafts ``PLAIN_PROBE_BURST`` proposals in a row:
-its first drafting step follows plain ones, and the step-overhead fit samples a step only
-after one of its kind (``step_overhead.SETTLE``), so a lone probe's step was never timed
-and the per-draft cost b it weighs stayed what other loads had fitted. On the embedded
-pair (155bc4a, H100, eight engines on one GPU) b fitted at one request, 0-7 drafts a step,
-came to 20 us, 36 ms over 256 requests' 1,792 drafts against a whole step of ~5 ms: the
-gate closed at 256 and stayed closed through nine repeats (0.58x stock k=7). The
-survivals it weighs are an average over about the last ``SURVIVAL_MEMORY`` requests'
-proposals (:class:`SurvivalAverage`): the gate follows the load, and one proposal of a
-few requests is too noisy a reading of the workload's acceptance. With
-``gate_objective=batch`` the survivals weighed are instead the mean so far of the request
-that drafts worst (:class:`SlowestRequest`), averaged the same way: a batch
-submitted at once lasts as long as its slowest request, and drafting finishes it sooner
-only if that request gains more tokens per step than a speculative step costs over a plain
-one (on the embedded pair, 256 such requests take 122-127 decode steps with k=7, the 127 of
-no speculation: ``benchmarks/results/batch_steps_embedded.json``). Host arithmetic on
-values every rank reads alike: every tensor-parallel rank decides the same."""
+against not drafting, R / (1 / SPS(R) + O + S + C), or with plain steps R / (1 / SPS(R) + P)
+(costs from :mod:`step_overhead`). Where a recent proposal of at least ``SURVIVAL_MEMORY``
+requests is at hand, drafting is valued by its own slots as ``sps`` would admit them
+(:func:`~vllm_dspark.capacity.allocation.best_rates_by_depth`), since mean survivals
+undervalue drafting where confidence varies between requests. With dynamic depth each
+shallower depth is weighed at its own D(R). The gate drafts when the best wins, with a
+``HYSTERESIS`` either way; while closed it probes every ``PROBE_EVERY`` skipped proposals
+(``PLAIN_PROBE_BURST`` in a row with plain steps, so the probe's steps get timed).
+``gate_objective=batch`` weighs the slowest request's survivals instead (a batch lasts as
+long as its slowest request). Host arithmetic on values every rank reads alike.
+"""
 
 from __future__ import annotations
 
@@ -76,10 +42,8 @@ SURVIVAL_MEMORY = 64  # requests' proposals the gate's mean survivals average ov
 class SurvivalAverage:
     """Per position, the mean prefix survival the gate weighs: each proposal's batch mean
     (read one proposal late, :class:`StalePerRequest`) joins a running average with weight
-    R / (R + SURVIVAL_MEMORY). At one request the latest proposal alone closed the gate on
-    a passage of doubtful drafts, and closed, it kept that reading until a probe's single
-    proposal looked better: 2,714 of 3,900 proposals skipped where drafting was 1.8x
-    faster (embedded pair, 9be693c, H200). A batch of hundreds is its own average."""
+    R / (R + SURVIVAL_MEMORY), so that one small proposal's doubtful passage cannot close the
+    gate for good; a batch of hundreds is its own average."""
 
     def __init__(self):
         self.mean: list[float] | None = None
@@ -103,10 +67,8 @@ class SlowestRequest:
     """``gate_objective=batch``: the prefix survivals of the request that drafts worst over
     its life so far. Per request slot, the sum and count of its proposals' survivals since
     the request started; a proposal's reading is the mean so far of the request whose mean
-    expects the fewest accepted drafts. Each step's own minimum reads whichever request has
-    a bad passage: on the embedded pair at 16 requests it expects 0.16 accepted drafts per
-    step where the batch's slowest request realised 1.05-1.49, while the lowest mean so far
-    reads 1.07 (``benchmarks/results/batch_steps_embedded.json``)."""
+    expects the fewest accepted drafts (each step's own minimum would read whichever request
+    has a bad passage, far below what the slowest request realises)."""
 
     def __init__(self, max_num_reqs: int, num_drafts: int, device: torch.device):
         self.sums = torch.zeros(max_num_reqs, num_drafts, device=device)
@@ -238,8 +200,8 @@ class DraftGate:
     ) -> float:
         """Expected tokens/s of a step of ``num_reqs`` requests drafting ``depth`` positions
         whose survivals are like ``survival``'s rows (taken in turn), verifying the best
-        slots as ``sps`` would; kept per snapshot (sorting R K values before every proposal
-        cost the host ~0.1 ms a step at 64 requests)."""
+        slots as ``sps`` would; kept per snapshot, as sorting R K values before every
+        proposal is host time on every step."""
         if survival is not self._rated_survival:
             self._rated_survival, self._rates = survival, {}
         key = (num_reqs, depth, fixed_s, per_draft_s, compaction_s)

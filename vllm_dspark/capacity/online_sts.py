@@ -1,29 +1,13 @@
 """Online Sequential Temperature Scaling: keep the confidence head calibrated while serving.
 
 What is calibrated is what capacity control reads, the prefix survival
-s_k = prod_{j<=k} sigmoid(z_j / T_j), against the event "drafts 1..k all accepted". Per
-draft position k the rejection sampler's results are binned by the raw confidence logit
-z_k and by the prefix survival s_{k-1} the other positions' temperatures give (the ones in
-use when the step is observed): a trial wherever the event is known, a hit where it
-happened, and the sum of s_{k-1} per cell. The event is known where draft k was verified,
-and also beyond the verified drafts where one of them was rejected (then no later prefix
-survives); only drafts past an all-accepted verified prefix are censored. Counts decay
-exponentially per step, so the fit follows the traffic.
-
-Every ``refit_every`` steps T_1..T_K are refitted in order, as offline STS does (DSpark
-paper): for position k a grid search over T minimises the ECE of the survival, with
-``ECE_BINS`` equal-width bins, cell by cell: predicted sum_cell = sigmoid(z_cell / T) *
-(sum of s_{k-1} in the cell). Each T_k is then blended toward the prior temperature (the
-checkpoint's) by n / (n + prior_weight), n the position's decayed trials. The prefix
-bins hold survivals under the temperatures of their step, not the ones this refit picks
-for k - 1; with refits every few hundred steps and slow changes the two agree at the
-fixed point the fit settles to.
-
-Each step's counts and survival sums are integers (survivals in units of
-2^-``SURVIVAL_BITS``; exact, order-free ``index_add_``); the decay and the fit are
-elementwise and in a fixed order, so ranks fed the same results compute bit-identical
-temperatures. The refit reads the counts on the host: one small blocking copy every
-``refit_every`` steps.
+s_k = prod_{j<=k} sigmoid(z_j / T_j), against "drafts 1..k all accepted". Per position k the
+rejection sampler's results are binned by the raw logit z_k and by the prefix survival
+s_{k-1} under the temperatures in use, in counts that decay per step. Every ``refit_every``
+steps T_1..T_K are refitted in order as offline STS does (a grid search minimising the
+survival's ECE over ``ECE_BINS`` bins), each blended toward the checkpoint's temperature by
+its trial count. Counts are integers and the fit runs in a fixed order, so ranks fed the
+same results get bit-identical temperatures; the refit costs one small blocking copy.
 """
 
 from __future__ import annotations

@@ -1,42 +1,21 @@
 """Plain decode steps while the draft gate (sps or acceptance) is closed (plain_steps).
 
-With the gate closed, a proposal drafts nothing and the step after it verifies nothing,
-yet vLLM still schedules that step as a speculative one: 1 + K tokens per request through
-input preparation, K KV slots each, the speculative sampling path and compaction down to
-one token per request. On the embedded pair at 256 requests such a step took 8.8 ms
-against 4.9 ms for a step of no speculation (06f3fff, H200). A step scheduled with no
-drafts is vLLM's plain decode step instead.
+With the gate closed, a proposal drafts nothing, yet vLLM would still schedule the next step
+as a speculative one (1 + K tokens per request through input preparation, K KV slots each,
+the speculative sampling path, compaction down to one token), far dearer than a plain
+decode step. So the scheduler, which every rank follows, runs vLLM's plain step instead:
+the worker's gate reports its verdict on each step's output (K: draft, 0: don't), and on a 0
+the scheduler takes :data:`CLOSED` as its Dynamic SD lookup (batch size -> drafts). The
+verdict arrives a step or two late, which is harmless: what a step verifies never depends
+on the drafts being verified, so the output stays exactly the target's.
 
-Who decides: the scheduler, so that every rank runs the same step. vLLM's scheduler
-already chooses how many drafts the next step verifies, through Dynamic SD's lookup
-(batch size -> drafts; ``SchedulerOutput.num_spec_tokens_to_schedule``, which the async
-scheduler turns into the next step's draft placeholders). The worker's gate reports its
-verdict on each step's output (K: draft, 0: don't); on a 0 the scheduler takes
-:data:`CLOSED` as its lookup, on a K it goes back to the one it had. The worker in turn
-drafts only when the step it proposes for verifies drafts. The verdict reaches the
-scheduler a step or two late, which is harmless: what a step verifies never depends on
-the drafts being verified, so the output stays exactly the target's.
-
-What the gate weighs against drafting is then a plain step's cost, which speculative steps
-cannot show (:mod:`step_overhead` fits it from plain steps alone). So that it is known
-before the gate has ever closed, :class:`PlainCostProbe` closes an open gate for a few
-proposals in a row whenever the batch size enters a range (a power of two) whose plain
-steps were not measured, and every ``PLAIN_REFRESH`` proposals: a handful of plain steps
-in a thousand, where drafting pays, is what knowing when it stops paying costs. Not where
-drafting beats even a plain step that costs nothing beyond the target's forward (the gate
-tells, ``DraftGate.beats_any_plain_step``): no measured cost could close the gate there,
-and each plain step would only lose what drafting gains (at one request on the Qwen3-8B
-shape, 2.6x). It counts proposals and reads the batch size and the gate's verdicts, the
-same on every rank.
-
-The Dynamic SD table :func:`dynamic_sd_table` gives the engine K drafts at every real
-batch size, plus a 0 past any of them: vLLM then also captures FULL decode CUDA graphs
-of one token per request, which the plain steps replay. Data parallelism is refused, as
-vLLM refuses Dynamic SD there (ranks choosing different counts deadlock). The drafter's
-graph managers are built without the table (:func:`without_dynamic_sd_table`): vLLM would
-give them a graph per count in it too, though the drafter always runs its one query
-length, and the 0 makes that length 0 for DSpark's anchor-first layout (K queries per
-request), whose graph rounding then divides by zero at start-up.
+The gate then weighs a plain step's cost, which speculative steps cannot show; so that it is
+known before the gate ever closes, :class:`PlainCostProbe` closes an open gate for a few
+proposals whenever the batch size enters an unmeasured power-of-two range, and every
+``PLAIN_REFRESH`` proposals, except where drafting beats even a free plain step.
+:func:`dynamic_sd_table` gives the engine K drafts at every real batch size and 0 past them,
+so that vLLM captures the one-token decode graphs the plain steps replay; the drafter's
+graph managers are built without it (:func:`without_dynamic_sd_table`).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ s(r, k): the number of drafts ``threshold`` wants verified (survivals at least t
 threshold), the number ``sps`` wants (:func:`allocation.sps_best_count`: the count n
 maximising (R + sum of the n best survivals) / (1/SPS(R + n) + O + b n + C [n < R K])),
 and per position the summed survival the draft gate reads. In PyTorch that is ~15 small
-launches per proposal, host time on steps the H200 breakdown found host-bound; this kernel
-computes all three in one program (R * K is at most max_num_seqs * K, a few thousand
-values: one sort in registers). :mod:`allocation` keeps the PyTorch definitions, which
-the CPU path and the tests use.
+launches per proposal, host time that matters on host-bound steps; this kernel computes all
+three in one program (R * K is at most max_num_seqs * K, a few thousand values: one sort in
+registers). :mod:`allocation` keeps the PyTorch definitions, which the CPU path and the
+tests use.
 """
 
 from __future__ import annotations

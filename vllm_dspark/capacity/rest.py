@@ -1,34 +1,20 @@
 """sps at rest: while its admission has settled on every draft, the controller stops
 planning for a while.
 
-On a host-bound pair (the embedded one) the controller's own host work per step (the
-proposal's statistics and their copies, the draft gate, the admission, the step overhead's
-bookkeeping) is most of what separates sps from fixed depth: in one engine, with every
-draft admitted and the same acceptance, sps ran 0.83-0.85x fixed k=7 at one request, its
-steps 2.95 against 2.35 ms (8791c92, H100). There no admission gains anything: the target's
-forward is a tenth of the step, and compacting costs more than it saves (the compaction
-premium, :mod:`step_overhead`), so sps verifies every draft and pays for deciding so.
+On a host-bound pair the controller's own host work per step (statistics and their copies,
+the draft gate, the admission, the overhead bookkeeping) is most of what separates sps from
+fixed depth, and where compacting costs more than it saves sps verifies every draft anyway.
+So once ``REST_AFTER`` consecutive fresh readings want every draft verified, at full depth
+with the gate open, the next ``REST_PROPOSALS`` proposals run as fixed depth (vLLM's own
+step, no statistics, gate or admission). Rests that follow each other without a reading
+wanting fewer drafts double, up to ``REST_LONGEST``. A batch grown ``REST_GROWTH`` times
+wakes a rest early (each verified draft gets dearer); a shrinking one does not (every draft
+stays worth verifying). Where the controller reads every step's verification (calibration
+metrics, online STS) it never rests.
 
-Once REST_AFTER consecutive readings of fresh proposals' statistics (:mod:`stale_record`)
-want every draft verified, at full depth, the draft gate open, the next REST_PROPOSALS
-proposals run as fixed depth: vLLM's own step, no statistics, gate or admission. Then
-the controller plans again, and rests again only once as many fresh readings agree; a
-rest that follows another with no reading between them wanting fewer drafts lasts twice
-as long, up to REST_LONGEST (at 128 proposals the ~10 planning steps around each rest were
-7-12% of the embedded pair's proposals, 9da6cdd, H100). A batch that grows past
-REST_GROWTH times its size at the rest's start wakes it early: more requests make each
-verified draft dearer (a steeper curve, a larger forward to save), and compacting may pay
-again. A shrinking one does not: with fewer requests every cost the admission weighs (the
-forward saved, b per draft) shrinks against O and C, so every draft stays worth
-verifying, and a draining batch (the embedded pair's at 256 requests: 256 to 1 over ~60
-steps) would otherwise wake it every few steps. A wake by growth, or a reading that wants
-fewer drafts, brings the next rest back to REST_PROPOSALS. Where the controller reads every
-step's verification (calibration metrics, online STS) it never rests.
-
-Lossless: whether a step rests is a function of earlier proposals' statistics, the
-proposal count and the batch size, never of the drafts it verifies (a resting step
-verifies all of them, as vLLM does); and the same on every tensor-parallel rank, whose
-statistics agree.
+Lossless: whether a step rests depends on earlier proposals' statistics, the proposal count
+and the batch size, never on the drafts it verifies (a resting step verifies all of them),
+and is the same on every tensor-parallel rank.
 """
 
 from __future__ import annotations

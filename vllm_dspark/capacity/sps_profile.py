@@ -1,27 +1,15 @@
 """The target's steps per second against tokens per step (the SPS curve), timed in the
 worker from the runner's own decode path.
 
-For every FULL decode CUDA graph the runner captured (R requests of the runner's decode
-query length, T tokens in all), a dummy decode step goes through ``execute_model`` as
-vLLM's own warm-up runs do: host input preparation, attention metadata, the graph
-replay; then the LM head over the T tokens, as verification computes logits for every
-token. CUDA events around ``repeats`` back-to-back steps give the time per step (the
-host's preparation overlaps the GPU as in serving); the median of ``rounds`` such groups
-is kept. Dummy requests attend only their own query tokens, so the curve measures the
-weight-bound cost that dominates decode; long contexts lower SPS at large T further.
-
-Past the largest captured graph the same dummy steps run as real ones do there, without a
-graph (:func:`eager_decode_shapes`): a step one request larger already pays every kernel
-launch (on the H200, Qwen3-8B shape, the target's forward at 1,024 tokens took 34.0 ms
-without a graph and 24.6 ms with one: step_breakdown.json, step_breakdown_graphs1024).
-The curve used to end at the largest graph and be extrapolated at its tokens per second,
-which made those steps look cheap: ``sps`` at 256 requests (graphs to 512 tokens, 5b1d70a)
-admitted 1.7 drafts per request, so most steps ran 600-700 tokens without a graph, and
-reached 0.84x no speculation where closing its gate had reached 1.19x (06f3fff; both
-with the benefit of prompts an earlier arm left in the prefix cache).
-
-:func:`time_draft_graphs` times a speculator's captured draft graphs, per batch size:
-what a proposal costs, for deciding whether drafting pays at all.
+For every FULL decode CUDA graph the runner captured (R requests, T tokens in all), dummy
+decode steps go through ``execute_model`` as vLLM's warm-up runs do, plus the LM head over
+the T tokens as verification computes it; CUDA events around ``repeats`` back-to-back steps
+time one step, and the median of ``rounds`` such groups is kept. Dummy requests attend only
+their own query tokens, so the curve measures the weight-bound cost that dominates decode.
+Past the largest graph the same steps run without a graph, as real ones do there
+(:func:`eager_decode_shapes`), rather than extrapolating the last graph's rate, which made
+such steps look cheap. :func:`time_draft_graphs` times a speculator's captured draft graphs
+per batch size: what a proposal costs, for deciding whether drafting pays at all.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Per-step device statistics read on the host one step late, without stalling the GPU.
 
 Capacity control plans each step on the host from what earlier steps measured on the
-device: the number of drafts a proposal wants verified (slots above the threshold, or the
-SPS-optimal count) or the drafts its requests had accepted. Each real proposal ends with
-such a (total, requests) pair, the total a device scalar copied to pinned host memory
-with ``non_blocking=True`` and marked by a CUDA event. The host reads it when it plans a
-later step: the step that verifies proposal p reads the record of proposal p - 1, whose
-drafts were sampled, and verified, before those of p. So the budget is a function of the
-past only, which keeps the allocation lossless (see :mod:`vllm_dspark.capacity.allocation`).
-The read waits on that record's event: the step that made it finished before the host,
-at most one step ahead of the GPU, plans this one, so the wait is for work already done,
-and every tensor-parallel rank reads the same value (a read that fell back to an older
-value when a copy was late would let ranks pick different batch sizes and hang).
-
-The statistic is read per request, so a batch that grew or shrank since gets a budget in
-proportion to its size. A record holds one value or a vector (one per draft position).
-:class:`StaleSnapshots` reads whole proposals' survivals the same way.
+device (the drafts a proposal wants verified, or the drafts its requests accepted). Each
+real proposal ends with a (total, requests) record: the total copied to pinned host memory
+with ``non_blocking=True`` and marked by a CUDA event. The step that verifies proposal p
+reads the record of proposal p - 1, so the budget depends on the past only, which keeps the
+allocation lossless (:mod:`vllm_dspark.capacity.allocation`). The read waits on the record's
+event, for work already done (the host runs at most one step ahead), so every
+tensor-parallel rank reads the same value; falling back to an older value when a copy was
+late would let ranks pick different batch sizes and hang. The statistic is per request, so
+a batch that changed size gets a budget in proportion. :class:`StaleSnapshots` reads whole
+proposals' survivals the same way.
 """
 
 from __future__ import annotations

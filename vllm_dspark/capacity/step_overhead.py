@@ -1,79 +1,22 @@
 """The part of a speculative step's time that the SPS curve does not see.
 
-``sps`` weighs expected tokens against the step's time. The curve SPS(T) times the
-target's forward alone (dummy decode steps); a real step also schedules, prepares inputs,
-samples, rejects and hands its output back, on the host and the GPU. Leaving that out
-makes each verified draft look dearer than it is: on the H200 the Qwen3-8B shape's step
-at 256 requests took 11.0 ms against 8.98 ms on the curve, and the embedded pair's steps
-(a tiny model, host-bound) took ~2.8 ms against a forward of a fraction of that, where
-``sps`` then admitted nothing. Part of that time is paid per step whatever is verified
-(O, growing with the requests: a per request), part with the drafts verified (the
-rejection sampler and the output handling work per token: b per draft). A step
-verifying n drafts for R requests then takes
+The SPS curve times the target's forward alone; a real step also schedules, prepares
+inputs, samples, rejects and hands its output back. Left out, that makes each verified
+draft look dearer than it is. A step verifying n drafts for R requests is modelled as
 
     1 / SPS(R + n) + D(R) + O + a R + b n + C [n < R K],
 
-D(R) being the drafter's profiled time per proposal, and ``sps`` maximises
-(R + sum of the n best survivals) over that. C is what compacting costs: a step that
-verifies all R K drafts runs vLLM's own uniform step, one that verifies fewer rewrites its
-batch (:mod:`vllm_dspark.patches.compact_verification`) and dispatches another graph. On
-the embedded pair, host-bound, that is most of the difference between an sps step and a
-fixed k=7 one: at 256 requests (bfbca4e, H100) input preparation took 2.06 ms against
-1.25 ms, while the target's forward for 448 tokens saved 0.05 ms on 2,048; ``sps``, blind to
-C, admitted 5.1 drafts of 7 a request and ran 0.61x fixed k=7 (9be793a, H100).
+D(R) the drafter's profiled time per proposal, O + a R paid per step, b per verified
+draft, C what compacting costs over vLLM's own uniform step. A skipped proposal still
+costs S (context K/V stored, speculative path run); a plain decode step (:mod:`plain_steps`)
+costs P + p R, fitted apart and held at most O + a R + S.
 
-A proposal the draft gate skips is not free either, S: the drafter still stores the new
-tokens' context K/V (eagerly, as every proposal does) and the step after it still runs the
-speculative path. On the embedded pair at one request (06f3fff, H200) steps after skipped
-proposals took 3.6-4.4 ms against 3.4 ms for fixed k=7's, so the gate, weighing not
-drafting at 1 / SPS(R) + O + a R with S left out, closed where drafting was 2.2x faster. It
-now weighs 1 / SPS(R) + O + a R + S.
-
-``auto`` fits O, a, b, S and C while serving. Each real proposal ends one step, whose host
-period (the time since the previous proposal) is the step's cost in steady state, whether
-the GPU or the host is the bottleneck; less the curve's forward for the tokens it verified
-and D(R) when a proposal was drafted, that is one sample of O + a R + b n (+ S after a
-skipped proposal, + C when compacted). Each window's samples, less those far above its
-median (a pause or a prefill step in between), join decayed least-squares sums over the
-last few windows, from which O, a, b, S and C are fitted (a small ridge keeps a slope at 0
-where its variable never varied; none is negative: S stays 0 until the gate has skipped, C
-until steps of both kinds ran). An admission that settles stays the same step after step,
-which cannot tell b from O, so capacity control verifies half of it now and then
-(``control.EXPLORE_EVERY``, on steps verifying at least ``control.EXPLORE_MIN_DRAFTS``, and
-with ``acceptance`` only at loads where b could change the depth,
-``depth_control.DRAFT_TIME_DOUBT``); with ``sps``, where compacting saves less than the
-step's overhead (so that C could decide), every other such probe verifies all R K instead,
-so that uncompacted steps are timed too. The host clock differs between tensor-parallel
-ranks, so each window's (O, a, b, S, C) is reduced to the largest over ranks on the device
-and read one window later (its copy long done): every rank plans with the same values, as
-the admission must be identical on every rank.
-
-With plain steps (:mod:`plain_steps`) the alternative to drafting is not a speculative step
-that verifies nothing but vLLM's plain decode step, which skips most of that host work: on
-the embedded pair (13fb6b1, H200) it took 2.2 ms at 64 requests against 4.9 ms for a
-fixed k=7 step, so O + a R + S, fitted on speculative steps, overstated it by more than
-half and the gate never closed where no speculation was 1.1-1.3x faster. Plain steps'
-periods, less the curve's forward for their R tokens, are fitted apart, as P + p R.
-
-A period is read at the host, which runs a step ahead of the GPU under async scheduling,
-so the period around a change of step kind (plain, speculative, or a step the curve does
-not describe, such as a prefill) can time the step before it: the first plain step after
-a speculative one can read as long as that step. Plain steps come in short runs (a
-probe's burst, a closing gate), so such samples can be a large share of them. With DFlash
-on the Qwen3-8B shape (94a15b3, H200) P + p R came to 6.7 ms at 64 requests and 7.6 ms at
-256, on top of the curve's 5.3 and 7.1 ms, where a whole step of no speculation took 6.2
-and 11.4 ms (``step_breakdown.json``, 30752a7), and the gate kept drafting at 256, where
-no speculation was faster. How much of that excess was such samples and how much the
-plugin's plain step itself (1.33-1.45x a step of no speculation on the embedded pair,
-0437bee) is still to be measured. A sample counts only when the step before it was of its
-kind (``SETTLE``). A plain step does a part of what a speculative step after a skipped
-proposal does (the same forward, context K/V stored, no speculative path), so its price is
-held at most O + a R + S: where its fit says more, the fit is wrong, and the gate with plain
-steps would keep drafting where the gate without them closes. In the DFlash and ``sps``
-runs on the Qwen3-8B shape (757bc32, 5b1d70a, H200) P + p R came to 1.9-4.3 ms + 29-39 us
-per request, 9.8-12.0 ms at 256 requests, where O + a R + S came to 4.8-6.2 ms in every
-arm but one (11.4, its S 6.2 ms), and a whole step of no speculation spends about 4.1 ms
-outside the curve (``step_breakdown_graphs1024_a37526b.json``).
+``auto`` fits these while serving: each proposal's host period, less the curve's forward
+and D(R), is one sample; windows of samples (outliers dropped) join decayed, lightly ridged
+least squares. A sample counts only after ``SETTLE`` steps of its kind, as the host runs a
+step ahead of the GPU. Each window's values are reduced to the largest over tensor-parallel
+ranks and read a window later, so every rank plans the same admission. Measurements behind
+this model: ``docs/design/module-notes.md``.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@ verified and accepted (counting only positions the proposal computed,
 :meth:`~vllm_dspark.capacity.control.CapacityControl.drafted_verification`), and for the
 acceptance controller, per position, how many verifications reached it and accepted it
 (:func:`~vllm_dspark.capacity.acceptance.position_counts`). In PyTorch that is ~15 small
-launches per step on the GPU's stream, between the target's forward and the proposal:
-at one DFlash request (cfb33fa, H100) the acceptance controller's steps ran about 20 us
-longer on average than fixed depth's (its few varied steps included). This kernel computes both
-in one program (R is at most max_num_seqs). :func:`drafted_counts` is the PyTorch
-definition (from :mod:`allocation` and :mod:`acceptance`), which the CPU path and the
-tests use.
+launches per step on the GPU's stream, between the target's forward and the proposal,
+enough to slow small steps measurably. This kernel computes both in one program (R is at
+most max_num_seqs). :func:`drafted_counts` is the PyTorch definition (from
+:mod:`allocation` and :mod:`acceptance`), which the CPU path and the tests use.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """The vocabulary projections a drafter runs: the LM head and DSpark's Markov head.
 
-:class:`DraftHeads` is what the plugin's speculators call for draft logits, Markov
-biases and greedy draft tokens. By default it calls the draft model's own (bf16)
-layers, exactly as stock vLLM does.
-
-With ``dspark_draft_vocab`` the heads score a subset of the vocabulary only (FR-Spec's
-frequency-ranked drafting): private copies of those rows of the LM head and of the Markov
-projection, so their cost at R*K draft rows shrinks with the subset (on the Qwen3-8B
-shape the Markov and LM-head stage of a K=7 proposal took 4.4 ms of a 56.7 ms step at 256
-requests, H200, ``step_breakdown_overhead_a37526b.json``). Draft logits are then over the
-subset; :meth:`DraftHeads.to_target` maps a subset index to its token id, and
-:meth:`DraftHeads.target_logits` scatters logits into the target vocabulary with the rest
-at -inf, so a sampled draft's recorded distribution gives every other token probability
-0, which is what it was drawn from: rejection sampling stays exact.
-
-With ``dspark_fp8_draft_head`` it keeps a private
-rowwise-FP8 copy of the LM head (the target's, which the drafter shares) and runs the
-Triton kernels of :mod:`vllm_dspark.head.fp8_head_kernel`; ``dspark_fp8_markov_head``
-does the same for the Markov head's projection. The bf16 weights stay untouched:
-verification runs the target's own head, so outputs stay lossless.
-
-Under tensor parallelism each rank keeps its own vocabulary shard of the heads (of a
-draft vocabulary, the subset's tokens among its rows) and the ranks combine as vLLM's
-logits do (:mod:`vllm_dspark.head.vocab_shards`).
-
-Greedy DSpark drafting with an FP8 head picks its token among the FP8 logits' top
-``rescore.RESCORE_CANDIDATES`` by the bf16 weights' own dot products (a gather of a few weight
-rows per draft row): e4m3 rounding alone flipped 1.9% of the embedded pair's draft argmaxes
-on the H200 (hidden 256), and rescoring brought every one back
-(``benchmarks/results/fp8_pair.json``).
+:class:`DraftHeads` is what the plugin's speculators call for draft logits, Markov biases
+and greedy draft tokens; by default it calls the draft model's own bf16 layers, as stock.
+With ``dspark_draft_vocab`` the heads score a frequency-ranked subset of the vocabulary
+only (FR-Spec), on private copies of those rows; :meth:`DraftHeads.target_logits` scatters
+logits back with the rest at -inf, so a draft's recorded distribution is what it was drawn
+from and rejection sampling stays exact. With ``dspark_fp8_draft_head``
+(``dspark_fp8_markov_head``) it keeps a private rowwise-FP8 copy of the LM head (the Markov
+projection) run by :mod:`vllm_dspark.head.fp8_head_kernel`; verification keeps the target's
+own bf16 head, so outputs stay lossless. Greedy drafting with an FP8 head rescores the FP8
+logits' top ``rescore.RESCORE_CANDIDATES`` with the bf16 weights, as e4m3 rounding alone
+flips some argmaxes. Under tensor parallelism each rank keeps its own vocabulary shard
+(:mod:`vllm_dspark.head.vocab_shards`).
 """
 
 from __future__ import annotations

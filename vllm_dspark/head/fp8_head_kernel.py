@@ -1,61 +1,18 @@
 """Triton kernels for the rowwise-FP8 draft LM head: logits, and a fused greedy argmax.
 
-Shape of the problem. The draft head multiplies ``rows`` hidden states ``x [M, H]`` (bf16) by
-an e4m3 head ``W [V, H]`` with fp32 row scales (:class:`Fp8RowwiseWeight`); V is ~150k, M is
-the number of requests (1 to ~1792). For M <= 64 the work is reading W once (0.62 GB for
-Qwen3-8B), so the kernel is a weight stream; at M = 1792 it is an FP8 GEMM.
-
-Tiling ("swap AB"). One program owns ``BLOCK_V`` vocabulary rows and ``BLOCK_M`` token rows and
-computes ``acc[BLOCK_V, BLOCK_M] = W_tile @ x_tile.T`` over H in ``BLOCK_K`` steps. The weight
-is the MMA's A operand: the M side of a Hopper wgmma is 64 per warpgroup, too wide for a
-handful of tokens, while its N side (the tokens here) may be as small as 8; ``tl.dot`` needs
-16, so ``BLOCK_M >= 16`` and missing token rows are padded by *clamping* their index to row
-M - 1 (likewise vocab rows to V - 1): the hot loop loads without masks, the epilogue masks.
-The work splits over the vocabulary: V / BLOCK_V = 1187 tiles at BLOCK_V = 128, several waves
-over 132 SMs with 2-3 programs resident per SM, so a single token row still streams W at full
-bandwidth with no split-K. Tiles sharing a vocab tile (several token tiles at large M) run
-together, so W is read from DRAM once and the repeats hit L2; x itself (<= 15 MB) stays in L2.
-
-Two kernels run the same tile and epilogue code:
-- ``_fp8_head_kernel``: one program per tile, cp.async (16-byte, L1-bypassing) pointer loads
-  pipelined ``num_stages`` deep; simple, and with several resident programs per SM the next
-  program's loads hide each program's pipeline fill and epilogue.
-- ``_fp8_head_tma_kernel`` (``tma_ctas_per_sm > 0``): persistent programs stride over the tiles
-  with TMA bulk loads; the flattened tile x K loop overlaps one tile's epilogue with the next
-  tile's loads, which matters once a tile is a 128x128 GEMM and only one program fits per SM.
-  Needs 16-byte aligned rows (else the pointer kernel runs the same tiles).
-A hidden size that is not a multiple of 16 is supported but slow: unaligned rows cannot use
-16-byte cp.async or TMA copies, so tiles go through registers (and spill).
-
-Two operand paths (``HeadTileConfig.act_fp8``):
-- FP8: x is quantised per token (one prologue pass, :func:`quantize_activations`) and the dot is
-  e4m3 x e4m3 on the tensor cores, scaled by ``s_x[m] * s_w[v]`` in the epilogue. Inlining the
-  quantisation into each vocab tile would re-read every x row and redo its absmax ~1200 times.
-  Hopper's fp8 MMA accumulates with ~14-bit precision, so the partial sums are promoted into
-  fp32 every <= 128 of K (Triton's ``max_num_imprecise_acc``; letting the tensor cores
-  accumulate all of K was 10-25% faster at 256-1792 rows but erred by up to 4 on logits
-  near 64, and is not offered).
-- W8A16: x stays bf16 and each weight tile is upcast e4m3 -> bf16 in registers (the A
-  operand may live in registers); no prologue, more accurate, but conversion work per byte.
-:func:`default_config` picks per row-count bucket (see ``_DEFAULT_TABLE``; above 64 rows
-cuBLAS's rowwise FP8 GEMM with a torch argmax, where it applies); the benchmark
-(``benchmarks/bench_fp8_draft_head.py``) times the alternatives of :func:`candidate_configs`.
-
-Epilogues. (a) logits: ``[M, n_out]`` bf16 or fp32, columns >= ``vocab_limit`` written as
--inf. (b) argmax: each program reduces its tile to a per-row ``(max, lowest index)`` partial
-in the workspace; a second tiny kernel reduces the ``V / BLOCK_V`` partials of each row. No
-``[M, V]`` tensor is written. An optional low-rank Markov bias ``e @ W2.T`` (``e [M, R]`` bf16,
-``W2 [V, R]`` bf16 or rowwise e4m3, upcast in registers) is a second short K loop in the same
-program, added before either epilogue; no bias tensor exists.
-
-Non-finite policy (see fp8_rowwise): in the argmax, a row with a NaN or +-inf logit among its
-first ``vocab_limit`` columns gets index -1 and value NaN; each tile flags such logits
-explicitly, as max/argmax reductions would skip or mis-order NaN. Non-finite activations on the
-FP8 path poison their row through a NaN scale (e4m3 has no inf); on the W8A16 path they reach
-the logits through the dot. The logits epilogue writes whatever the arithmetic gives.
-
-Everything is CUDA-graph capturable: no host sync, launch shapes depend only on M and the
-head; outputs and the :class:`HeadWorkspace` may be preallocated.
+The head multiplies ``x [M, H]`` (bf16, M the draft rows) by an e4m3 ``W [V, H]`` with fp32
+row scales (:class:`Fp8RowwiseWeight`). With few rows that is a stream over W, with many an
+FP8 GEMM. Each program computes a ``[BLOCK_V, BLOCK_M]`` tile with the weight as the MMA's A
+operand ("swap AB", so a handful of tokens fill the narrow side), the work split over the
+vocabulary. ``_fp8_head_kernel`` pipelines cp.async loads, one program per tile;
+``_fp8_head_tma_kernel`` runs persistent programs with TMA loads for GEMM-sized tiles. The
+operands are e4m3 x e4m3 (activations quantised per token) or W8A16 (weights upcast in
+registers), chosen by :class:`HeadTileConfig`; :func:`default_config` picks per row count,
+with cuBLAS's rowwise FP8 GEMM above 64 rows where it applies. Epilogues write logits
+(columns past ``vocab_limit`` as -inf) or per-tile (max, lowest index) partials reduced by a
+second kernel, with an optional low-rank Markov bias added in the same program; a row with a
+non-finite logit gets index -1. No host sync: everything is CUDA-graph capturable. Design
+notes: ``docs/design/module-notes.md``.
 """
 
 from __future__ import annotations
@@ -99,8 +56,8 @@ _DEFAULT_TABLE: tuple[tuple[int, HeadTileConfig], ...] = (
     (1 << 62, HeadTileConfig(128, 128, 128, 8, 3, act_fp8=True, tma_ctas_per_sm=1)),
 )
 # Above 64 rows the head is a compute-bound GEMM, where cuBLAS's FP8 kernels beat our tiles
-# (H200, benchmarks/results/fp8_head.json: at 1792 rows 1.90 ms against 3.03 ms for
-# 4096 x 151936): they run the product and a torch argmax reads the bf16 logits back.
+# (benchmarks/results/fp8_head.json): they run the product and a torch argmax reads the bf16
+# logits back.
 CUBLAS_MIN_ROWS = 65
 _CUBLAS = HeadTileConfig(128, 128, 128, 8, 3, act_fp8=True, cublas=True)
 

@@ -1,34 +1,14 @@
 """Rowwise FP8 (e4m3) copies of head weights, and the pure-PyTorch reference of the draft head.
 
-Quantisation. Each row ``t`` of a ``[V, H]`` weight (or of an activation matrix, one row per
-token) is stored as ``q = rne(t / s)`` in ``float8_e4m3fn`` with one fp32 scale per row,
-``s = max|t| / 448``: the largest element maps onto the largest finite e4m3 value. An all-zero
-row gets ``s = 1`` (so ``q = 0`` and nothing divides by zero). Weights must be finite
-(:meth:`Fp8RowwiseWeight.from_weight` raises otherwise). Activations are checked at run time
-instead: a row holding NaN or +-inf gets ``s = NaN``, which makes every logit of that row NaN;
-e4m3 has no infinity, so without this an inf would silently saturate to 448.
-
-Error bound. e4m3 keeps 3 mantissa bits: in its normal range (``|q| >= 2**-6``) rounding to
-nearest changes a value by at most ``u = 2**-4`` of itself, below it (subnormal spacing
-``2**-9``) by at most ``d = 2**-10`` absolute. After scaling, each element satisfies
-``|deq(t) - t| <= u |t| + d s``. For a logit ``z = sum_h x_h w_h`` computed from dequantised
-operands, ``|x'w' - xw| <= |x'| |w' - w| + |x' - x| |w|`` summed over ``h`` gives
-
-    weight only (bf16 activations):  u A + d s_w Sx
-    weight and activations:          (2u + u^2) A + (1 + u) d (s_x Sw + s_w Sx) + H d^2 s_x s_w
-
-with ``A = sum_h |x_h||w_h|``, ``Sx = sum_h |x_h|``, ``Sw = sum_h |w_h|``
-(:func:`logit_error_bound`). It is a worst case (every rounding error aligned); on random
-data the observed error is far smaller (errors of random sign cancel), so "argmax agrees with
-bf16" can be asserted only where the exact winner leads every other logit by more than the
-two bounds.
-
-Non-finite policy of the argmax (shared with the Triton kernels): a row with any NaN or +-inf
-logit among its first ``vocab_limit`` columns returns index -1 and value NaN, so a caller can
-detect it and no token is drafted from garbage (an inf activation on the bf16-activation path
-gives +-inf logits, not NaN; real logits are never infinite). Columns at or beyond
-``vocab_limit`` (padding rows of vLLM's ParallelLMHead) never win and are not part of the
-returned logits.
+Each row ``t`` of a ``[V, H]`` weight (or of an activation matrix, one row per token) is
+stored as ``q = rne(t / s)`` in ``float8_e4m3fn`` with one fp32 scale ``s = max|t| / 448``
+per row (``s = 1`` for an all-zero row). Weights must be finite; an activation row holding
+NaN or +-inf gets ``s = NaN`` (e4m3 has no infinity, so an inf would otherwise saturate to
+448 silently). :func:`logit_error_bound` gives the worst-case logit error of the quantised
+product, against which "argmax agrees with bf16" can be asserted. The argmax returns index
+-1 and value NaN for a row with a non-finite logit among its first ``vocab_limit`` columns,
+so no token is drafted from garbage; columns past ``vocab_limit`` (vLLM's padding rows)
+never win and are not returned.
 """
 
 from __future__ import annotations
@@ -157,7 +137,11 @@ def logit_error_bound(
 ) -> torch.Tensor:
     """Worst-case ``|quantised logit - exact logit|``, ``[rows, V]``, for the bf16 ``weight``.
 
-    See the module docstring for the derivation.
+    With u = 2**-4 (relative rounding in e4m3's normal range) and d = 2**-10 (absolute,
+    subnormal), A = sum_h |x_h||w_h|, Sx = sum_h |x_h|, Sw = sum_h |w_h|:
+    u A + d s_w Sx for the weight alone, (2u + u^2) A + (1 + u) d (s_x Sw + s_w Sx)
+    + H d^2 s_x s_w with activations quantised too. Derivation:
+    ``docs/design/module-notes.md``.
     """
     u, d = E4M3_REL_ERR, E4M3_SUBNORMAL_ABS_ERR
     ax, aw = x.to(dtype).abs(), weight.to(dtype).abs()

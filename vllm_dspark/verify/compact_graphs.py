@@ -2,29 +2,14 @@
 
 A compacted decode step runs R + B tokens with per-request query lengths chosen on the
 device (:mod:`vllm_dspark.verify.compaction`), so none of vLLM's uniform-decode graphs
-(every request 1 + K tokens) applies, and vLLM would fall back to its mixed-batch
-PIECEWISE graphs, running attention eagerly between the pieces. FlashAttention 3 reads
-query offsets, sequence lengths and its tile schedule from the persistent buffers the
-runner writes before a replay, so one FULL graph captured for T tokens and up to
-min(T, max_num_seqs) requests serves any compacted batch with R <= that many requests
-and R + B <= T tokens (padded requests get empty queries, padded tokens write nowhere).
-One graph per captured size T; a step takes the smallest that fits.
-
-What FlashAttention 3 does not read at replay is fixed at capture from the host's maximum
-query length: with a maximum of 1 it drops the causal mask for head sizes other than 128
-(a one-token query has nothing to mask), and the tile kernel it picks depends on it. vLLM
-captures a T-token graph for min(T, max_num_seqs) requests on T // R tokens each, so a
-graph of at most max_num_seqs tokens would be captured with one-token queries and replay
-compacted queries of up to 1 + K tokens without their causal mask. That fits what the H200
-showed on the embedded pair (head size 64): bf16 outputs diverged beyond ties only with
-FULL compact graphs, late in the outputs, where finished requests leave batches small
-enough for those graphs (benchmarks/results/pair_arms_bf16.json). Compact graphs are
-therefore captured on :func:`capture_query_lengths`, whose longest query is 1 + K, the
-maximum a compacted step's metadata carries.
-
-Other backends bake more of the batch into a graph (Triton attention picks its kernel
-split from the query lengths seen at capture), so with them compacted steps run as vLLM
-runs any mixed batch: PIECEWISE graphs with attention between the pieces.
+applies and vLLM would fall back to PIECEWISE graphs with attention run eagerly. FlashAttention
+3 reads query offsets, sequence lengths and its tile schedule from the persistent buffers
+the runner writes before a replay, so one FULL graph captured for T tokens and up to
+min(T, max_num_seqs) requests serves any compacted batch that fits; a step takes the
+smallest. What FlashAttention 3 fixes at capture follows the maximum query length (with 1
+it drops the causal mask for head sizes other than 128), so compact graphs are captured on
+:func:`capture_query_lengths`, whose longest query is 1 + K. Other backends bake more of
+the batch into a graph, so with them compacted steps run PIECEWISE, as any mixed batch.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
 :func:`vllm_dspark.verify.compaction.compact_layout` says what the compact layout is, in
 PyTorch; built that way on the GPU it is ~30 small kernel launches, each a few microseconds
-of host time, on every compacted step, and the H200 step breakdown found compacted steps
-host-bound. This kernel writes the same result in one launch: one program per request r
-reads every request's admitted count k, sums the lengths 1 + k of the requests before r
-(its first compact token; R is at most max_num_seqs, so each program's sum is cheap), and
-copies its 1 + k_r tokens (input ids, positions) from a snapshot of the uniform layout,
-with their request slot, offset within the query and logits index, its query end and its
-shortened sequence length; program 0 also writes query offset 0 and the non-decreasing
-padding of the offsets past R. The CPU path and the tests use the PyTorch layout.
+of host time, on every compacted step, which are host-bound. This kernel writes the same
+result in one launch: one program per request r reads every request's admitted count k,
+sums the lengths 1 + k of the requests before r (its first compact token; R is at most
+max_num_seqs, so each program's sum is cheap), and copies its 1 + k_r tokens (input ids,
+positions) from a snapshot of the uniform layout, with their request slot, offset within the
+query and logits index, its query end and its shortened sequence length; program 0 also
+writes query offset 0 and the non-decreasing padding of the offsets past R. The CPU path and
+the tests use the PyTorch layout.
 """
 
 from __future__ import annotations
