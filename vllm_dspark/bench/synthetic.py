@@ -22,9 +22,8 @@ The draws are common random numbers: e and the acceptance draw u are functions o
 request's sampling seed and the draft token's position alone (:func:`counter_uniform`),
 not of a generator's state. Two arms of a sweep that serve the same seeded requests meet
 the same e and u wherever they draft the same position at the same depth, so they differ
-by what they decide, not by their draws. With one generator per engine, 32 one-request
-runs drew an acceptance length of 3.52 for ``sps``, which admitted 6.93 of its 7 drafts,
-against 3.59 for fixed k=7 (H200, 5b1d70a): 0.96x the throughput for nearly one decision.
+by what they decide, not by their draws (docs/design/module-notes.md says what one
+generator per engine did instead).
 """
 
 from __future__ import annotations

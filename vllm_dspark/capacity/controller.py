@@ -679,10 +679,8 @@ class CapacityController(DepthControl):
     def _compaction_could_decide(self, num_reqs: int, budget: int) -> bool:
         """sps: whether verifying ``budget`` drafts compacted rather than all R K saves less
         time (forward and per-draft) than a compacted step's overhead O + a R + C (C a part
-        of O until told apart): only then could C turn the admission to all. At 256
-        requests of the Qwen3-8B shape compacting saves about 20 ms (H200: a forward of
-        2,048 tokens against about 1,000), no full probe; on the embedded pair 0.05 ms
-        (bfbca4e, H100). Never before the overhead is fitted."""
+        of O until told apart): only then could C turn the admission to all. Never before
+        the overhead is fitted."""
         overhead, table = self.step_overhead, self.sps_table_host
         full = num_reqs * self.num_speculative_steps
         if not overhead.ready or table is None or num_reqs + full >= len(table):

@@ -1,9 +1,8 @@
-"""The depth half of :class:`~vllm_dspark.capacity.control.CapacityControl`: how many
+"""The depth half of :class:`~vllm_dspark.capacity.controller.CapacityController`: how many
 sequential positions a proposal computes (``dspark_dynamic_depth``: DSpark's confidence
 modes follow recent admissions, :mod:`physical_depth`, at the depth that paid best on
 recent proposals' survivals) and, for ``acceptance``, the one depth every request
-verifies (:mod:`acceptance`). Its state is set up with the rest of capacity control's
-(:meth:`CapacityControl._init_capacity`)."""
+verifies (:mod:`acceptance`). Its state is the controller's, set up in its ``__init__``."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ DRAFT_TIME_DOUBT = 10e-6
 
 
 class DepthControl:
-    """Mixed into :class:`~vllm_dspark.capacity.control.CapacityControl`, whose
-    ``_init_capacity`` sets up the state read here."""
+    """The base of :class:`~vllm_dspark.capacity.controller.CapacityController`, whose
+    ``__init__`` sets up the state read here."""
 
     def proposal_depth(self, num_reqs: int) -> int:
         """Before a real proposal: the positions it computes. With dynamic depth, DSpark's

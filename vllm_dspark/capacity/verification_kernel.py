@@ -2,7 +2,7 @@
 
 After every real step, capacity control reads what it verified: per request, the drafts
 verified and accepted (counting only positions the proposal computed,
-:meth:`~vllm_dspark.capacity.control.CapacityControl.drafted_verification`), and for the
+:meth:`~vllm_dspark.capacity.controller.CapacityController.drafted_verification`), and for the
 acceptance controller, per position, how many verifications reached it and accepted it
 (:func:`~vllm_dspark.capacity.acceptance.position_counts`). In PyTorch that is ~15 small
 launches per step on the GPU's stream, between the target's forward and the proposal,
