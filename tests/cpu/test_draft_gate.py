@@ -134,13 +134,13 @@ def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(s
     from vllm_dspark.metrics import _worker_gate_inputs
 
     speculator = sps_speculator()
-    assert speculator.controller._decide_drafting(16, K)  # no profiled draft cost: always draft
+    assert speculator.controller._plan_drafting(16, K)  # no profiled draft cost: always draft
     speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 12.0)]})  # drafting 16 requests: 12 ms
-    assert speculator.controller._decide_drafting(16, K)  # survivals not seen yet: optimistic
+    assert speculator.controller._plan_drafting(16, K)  # survivals not seen yet: optimistic
     for _ in range(2):  # proposals whose drafts are rarely accepted
         speculator.controller.record_proposal(torch.full((16, K), 0.05))
     assert (
-        not speculator.controller._decide_drafting(16, K)
+        not speculator.controller._plan_drafting(16, K)
         and speculator.controller.proposals_skipped == 1
     )
     # What the benchmarks report of it: closed, on these survivals and costs.
@@ -154,9 +154,7 @@ def test_the_gate_closes_on_doubtful_drafts_and_the_next_step_verifies_nothing(s
         "sps_curve": [],  # a given curve, not a profiled one
         "draft_ms": {K: [[1, 0.1], [16, 12.0]]},
     }
-    assert speculator.controller._decide_drafting(
-        1, K
-    )  # one request drafts cheaply: worth it again
+    assert speculator.controller._plan_drafting(1, K)  # one request drafts cheaply: worth it again
     speculator.controller.drafted_last = False
     assert speculator.controller.admission_budget(16) == 0
 
@@ -195,7 +193,7 @@ def test_a_batch_objective_weighs_the_request_that_drafts_worst(sps_speculator, 
         if speculator.controller.slowest_request is not None:
             speculator.controller.slowest_request.start(req_ids, slots.numpy())
         speculator.controller.record_proposal(survival, slots)
-    assert speculator.controller._decide_drafting(16, K) == drafts
+    assert speculator.controller._plan_drafting(16, K) == drafts
 
 
 def test_with_plain_steps_measured_the_gate_weighs_a_plain_step():
@@ -252,7 +250,7 @@ def test_a_short_doubtful_passage_at_one_request_does_not_close_the_gate(plugin_
     doubtful = torch.cumprod(torch.full((1, NUM_DRAFTS), 0.02), dim=1)
     decisions = []
     for survival in [confident] * 40 + [doubtful] * 10 + [confident] * 5:
-        decisions.append(speculator.controller._decide_drafting(1, NUM_DRAFTS))
+        decisions.append(speculator.controller._plan_drafting(1, NUM_DRAFTS))
         speculator.controller.record_proposal(survival)
     assert all(decisions)
     # On the doubtful proposals' own survivals it would have closed.

@@ -387,15 +387,15 @@ def test_under_load_the_gate_drafts_a_shallower_depth_that_pays(sps_speculator):
     for _ in range(50):  # the gate's survivals settle at 0.6
         speculator.controller.record_proposal(torch.full((16, K), 0.6))
     speculator.controller.draft_depth = K
-    assert speculator.controller._decide_drafting(16, K) and speculator.controller.draft_depth == 1
+    assert speculator.controller._plan_drafting(16, K) and speculator.controller.draft_depth == 1
     speculator.controller.draft_depth = K
-    assert speculator.controller._decide_drafting(1, K) and speculator.controller.draft_depth == K
+    assert speculator.controller._plan_drafting(1, K) and speculator.controller.draft_depth == K
     # Only the full depth timed: nothing shallower to draft, the gate closes.
     speculator.controller.set_draft_cost({K: [(1, 0.1), (16, 30.0)]})
     for _ in range(50):
         speculator.controller.record_proposal(torch.full((16, K), 0.6))
     assert (
-        not speculator.controller._decide_drafting(16, K) and speculator.controller.draft_depth == K
+        not speculator.controller._plan_drafting(16, K) and speculator.controller.draft_depth == K
     )
     # Counted by the depth each drafted at; the skipped proposal apart.
     assert speculator.controller.proposals_at_depth == [1] + [0] * (K - 2) + [1]
@@ -485,7 +485,7 @@ def closed_loop(speculator, load: int, outside_s: float, steps: int, survivals):
             verified = torch.arange(K) < capacity[:, None]
             tokens += float(survival[verified].sum())
         speculator.controller._use_depth(speculator.controller.proposal_depth(load))
-        drafting = speculator.controller._decide_drafting(load, speculator.controller.draft_depth)
+        drafting = speculator.controller._plan_drafting(load, speculator.controller.draft_depth)
         speculator.controller.drafted_last = drafting
         depth = speculator.controller.draft_depth if drafting else 0
         draft_s = DRAFT_MS[load][depth - 1] / 1e3 if depth else 0.0

@@ -148,25 +148,25 @@ def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(sps_s
     assert speculator.controller.take_gate_report() == K  # at start-up: schedule drafts (stock)
     assert speculator.controller.take_gate_report() is None  # once
     speculator.controller.next_step_drafts = K
-    assert not speculator.controller._decide_drafting(16, K)  # the gate closes at 16 requests
+    assert not speculator.controller._plan_drafting(16, K)  # the gate closes at 16 requests
     assert speculator.controller.take_gate_report() == 0
     # The scheduler has closed too: the gate reopens at one request, but the step this
     # proposal is for was scheduled without drafts, so nothing is drafted for it.
     speculator.controller.next_step_drafts = 0
-    assert not speculator.controller._decide_drafting(1, K)
+    assert not speculator.controller._plan_drafting(1, K)
     assert speculator.controller.take_gate_report() == K
     speculator.controller.next_step_drafts = K
-    assert speculator.controller._decide_drafting(1, K)
+    assert speculator.controller._plan_drafting(1, K)
     assert speculator.controller.proposals_skipped == 2
     # A probe of the closed gate: its open verdict holds (though the gate itself closes
     # again) until the scheduler gives a step drafts, so that the probe does draft.
     speculator.controller.next_step_drafts = 0
-    verdicts = [speculator.controller._decide_drafting(16, K) for _ in range(PROBE_EVERY + 2)]
+    verdicts = [speculator.controller._plan_drafting(16, K) for _ in range(PROBE_EVERY + 2)]
     assert not any(verdicts)  # the scheduler gave no step drafts
     assert speculator.controller.take_gate_report() == K  # the probe's open verdict, still pending
     speculator.controller.next_step_drafts = K
-    assert speculator.controller._decide_drafting(16, K)  # the probe drafts
-    assert not speculator.controller._decide_drafting(16, K)  # and the gate is closed again
+    assert speculator.controller._plan_drafting(16, K)  # the probe drafts
+    assert not speculator.controller._plan_drafting(16, K)  # and the gate is closed again
     assert speculator.controller.take_gate_report() == 0
     # Switched to sps without plain steps: the scheduler is told to schedule drafts again.
     importlib.import_module(compact_verification.RUNNER_MODULE)
@@ -175,7 +175,7 @@ def test_the_worker_reports_its_gate_and_drafts_only_for_steps_that_verify(sps_s
     switch_speculator(speculator, {"capacity": "sps", "varlen_verify": True, "sps_curve": curve})
     assert speculator.controller.take_gate_report() == K
     speculator.controller.next_step_drafts = 0  # ignored without plain steps
-    assert speculator.controller._decide_drafting(1, K)
+    assert speculator.controller._plan_drafting(1, K)
     assert speculator.controller.take_gate_report() is None
 
 
@@ -410,7 +410,7 @@ def closed_measuring_gate(plugin_speculator):
     for _ in range(2):
         speculator.controller.record_proposal(torch.full((16, K), 0.05))
     speculator.controller.next_step_drafts = K
-    assert not speculator.controller._decide_drafting(16, K)
+    assert not speculator.controller._plan_drafting(16, K)
     return speculator
 
 
@@ -427,11 +427,11 @@ def test_a_closed_gates_plain_steps_count_as_measured_for_the_plain_cost_probe(
     verdicts = []
     while not any(verdicts[-1:]):  # survivals all but certain from now on
         speculator.controller.record_proposal(torch.full((16, K), 0.95))
-        verdicts.append(speculator.controller._decide_drafting(16, K))
+        verdicts.append(speculator.controller._plan_drafting(16, K))
         assert probe.burst_left == 0  # reopened without a burst of its own
     # One request: a new range, but drafting there beats even a plain step costing only
     # the forward (100 tokens/s against 380 for drafting its survivals): no probe.
-    assert speculator.controller._decide_drafting(1, K) and probe.burst_left == 0
+    assert speculator.controller._plan_drafting(1, K) and probe.burst_left == 0
     assert (1).bit_length() not in probe.measured_ranges
 
 
@@ -444,7 +444,7 @@ def test_a_gate_closed_as_the_batch_enters_a_new_range_still_probes(plugin_specu
     That fits the H200 arms test at 5e59c9b and 851bbd0 (acceptance-plain: no draft in 129
     proposals of 64 requests, after a warm-up of 4)."""
     speculator = closed_measuring_gate(plugin_speculator)
-    drafted = [speculator.controller._decide_drafting(64, K) for _ in range(2 * PROBE_EVERY)]
+    drafted = [speculator.controller._plan_drafting(64, K) for _ in range(2 * PROBE_EVERY)]
     first = drafted.index(True)  # one probe's burst in PROBE_EVERY skipped proposals
     assert [i for i, verdict in enumerate(drafted) if verdict] == list(
         range(first, first + PLAIN_PROBE_BURST)

@@ -246,6 +246,7 @@ def test_per_draft_time_limits_what_sps_admits():
 
 def test_sps_varies_its_admission_now_and_then(plugin_speculator):
     from test_compact_verification import K
+
     from vllm_dspark.capacity.controller import EXPLORE_EVERY
 
     curve = [[1, 200.0], [512, 50.0]]
@@ -305,7 +306,7 @@ def closed_loop_step(speculator, clock, num_reqs, survival, period, drafted):
     resting = drafted is not None
     if not resting:
         speculator.controller._observe_step_time(num_reqs)
-        drafted = speculator.controller._decide_drafting(num_reqs, speculator.num_speculative_steps)
+        drafted = speculator.controller._plan_drafting(num_reqs, speculator.num_speculative_steps)
     speculator.controller.drafted_last = drafted  # before the record, as in propose
     if drafted and not resting:
         speculator.controller.record_proposal(survival)
@@ -519,7 +520,7 @@ def run_plain_closed_loop(speculator, clock, num_reqs, survival, num_steps, peri
             speculator.controller.step_tokens = num_reqs + budget
             clock.now += period(budget, speculator.controller.drafted_last)
         speculator.controller._observe_step_time(num_reqs)
-        drafted = speculator.controller._decide_drafting(num_reqs, num_drafts)
+        drafted = speculator.controller._plan_drafting(num_reqs, num_drafts)
         speculator.controller.drafted_last = drafted
         if drafted:
             speculator.controller.record_proposal(survival)

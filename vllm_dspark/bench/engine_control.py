@@ -50,10 +50,11 @@ def switch_speculator(speculator, updates: dict) -> DSparkOptions:
     except ValidationError as error:
         raise DSparkOptionError(f"vllm-dspark: {error}") from error
     previous = speculator.controller
+    depth_graphs = bool(getattr(speculator, "_depth_graphs", None))
     missing = []
     if options.capacity != "off" and not compact_verification.is_applied():
         missing.append("capacity control (start with a dspark_capacity mode)")
-    if options.dynamic_depth and not previous.varies_depth:
+    if options.dynamic_depth and not depth_graphs:
         missing.append("per-depth draft graphs (start with dspark_dynamic_depth)")
     auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
     if auto_sps and previous.profiled_sps_curve is None:
@@ -69,7 +70,7 @@ def switch_speculator(speculator, updates: dict) -> DSparkOptions:
         speculator.max_num_reqs,
         previous,
     )
-    if previous.varies_depth:
+    if depth_graphs:
         speculator._use_depth(speculator.num_speculative_steps)
     return options
 

@@ -365,11 +365,7 @@ class CapacityController(DepthControl):
             return ProposalPlan(drafting, resting=True)
         self._observe_real_step(input_batch, num_sampled)
         self._use_depth(self.proposal_depth(num_reqs))
-        drafting = self._decide_drafting(num_reqs, self.draft_depth)
-        if drafting and self.gate_depth < self.draft_depth:
-            self._use_depth(self.gate_depth)  # the shallower depth the draft gate chose
-        if drafting:
-            self.proposals_at_depth[self.draft_depth - 1] += 1
+        drafting = self._plan_drafting(num_reqs, self.draft_depth)
         if drafting and self.slowest_request is not None:
             self.slowest_request.start(input_batch.req_ids, input_batch.idx_mapping_np)
         self.drafted_last = drafting
@@ -381,6 +377,16 @@ class CapacityController(DepthControl):
         self.slot_survival[slots] = survival
         if self.drafted_last:
             self.record_proposal(survival, slots)
+
+    def _plan_drafting(self, num_reqs: int, depth: int) -> bool:
+        """Whether a proposal planned at ``depth`` drafts, at the shallower depth the draft
+        gate chose where the planned one does not pay; counted by the depth it drafts at."""
+        drafting = self._decide_drafting(num_reqs, depth)
+        if drafting and self.gate_depth < depth:
+            self._use_depth(self.gate_depth)
+        if drafting:
+            self.proposals_at_depth[self.draft_depth - 1] += 1
+        return drafting
 
     def _use_depth(self, depth: int) -> None:
         if self.varies_depth:
