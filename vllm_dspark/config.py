@@ -125,12 +125,13 @@ class DSparkOptions(BaseModel):
     confidence_temperature: list[StrictFloat] | None = Field(
         None,
         json_schema_extra=_valid(
-            "a JSON list of positive numbers (one per draft position), or the path of "
-            'a JSON file holding such a list or {"temperatures": [...]}'
+            "a JSON list of positive numbers, one per draft position (num_speculative_tokens "
+            'of them), or the path of a JSON file holding such a list or {"temperatures": [...]}'
         ),
     )
-    """Per-position temperatures of the confidence head; unset means the draft
-    checkpoint's ``dspark_calibration.json`` when present, else 1."""
+    """Per-position temperatures of the confidence head, one per draft position; unset
+    means the draft checkpoint's ``dspark_calibration.json`` when present (its first K),
+    else 1."""
 
     online_sts: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Refit the per-position confidence temperatures while serving (online
@@ -198,7 +199,8 @@ class DSparkOptions(BaseModel):
     synthetic_confidence: list[Annotated[float, Field(gt=0.0, lt=1.0)]] | None = Field(
         None,
         json_schema_extra=_valid(
-            "a JSON list of numbers in (0, 1), one per draft position (benchmarks only)"
+            "a JSON list of numbers in (0, 1), one per draft position (num_speculative_tokens "
+            "of them; benchmarks only)"
         ),
     )
     """Benchmarks with dummy weights only: instead of a confidence head and real
@@ -513,9 +515,10 @@ def _check_against_drafter(options: DSparkOptions, speculative_config: Any) -> N
         if num_drafts > block_size:
             set_keys = ", ".join(KEY_PREFIX + name for name in options.non_default())
             raise DSparkOptionError(
-                f"vllm-dspark: num_speculative_tokens={num_drafts} is more than the drafter "
-                f"{model} drafts (block_size={block_size} in its config.json), which "
-                f"{set_keys} cannot use. Valid: num_speculative_tokens from 1 to {block_size}."
+                f"vllm-dspark: num_speculative_tokens={num_drafts} is more than the "
+                f"{block_size} positions the drafter {model} drafts (block_size={block_size} "
+                f"in its config.json); {set_keys} need K within its block. Valid: "
+                f"num_speculative_tokens from 1 to {block_size}."
             )
     # Per-position lists: one value per draft position, like vLLM's synthetic_acceptance_rates.
     for name in PER_POSITION_OPTIONS:
@@ -542,9 +545,9 @@ def _check_against_drafter(options: DSparkOptions, speculative_config: Any) -> N
         outside = sorted(i for i in options.draft_vocab if i >= vocab_size)
         if outside:
             raise DSparkOptionError(
-                f"vllm-dspark: {_label('draft_vocab')} names {len(outside)} token ids outside "
-                f"the draft vocabulary ({_brief(outside)} of {len(options.draft_vocab)} ids); "
-                f"{valid}"
+                f"vllm-dspark: {_label('draft_vocab')} names token ids outside the draft "
+                f"vocabulary: {_brief(outside)} ({len(outside)} of {len(options.draft_vocab)} "
+                f"ids); {valid}"
             )
 
 

@@ -81,9 +81,11 @@ def _refuse_options_in_additional_config(additional_config: Any, options: DSpark
 
 
 def _vllm_reason(error: Exception) -> str:
+    """The first sentence of vLLM's reason."""
+    text = str(error)
     if isinstance(error, ValidationError) and error.errors():
-        return error.errors()[0]["msg"].removeprefix("Value error, ")
-    return str(error)
+        text = error.errors()[0]["msg"].removeprefix("Value error, ")
+    return text.split(". ")[0].rstrip(".")
 
 
 def _make_wrapper(create_speculative_config):
@@ -103,9 +105,9 @@ def _make_wrapper(create_speculative_config):
                 raise
             given = ", ".join(f"{KEY_PREFIX}{k}={v!r}" for k, v in options.non_default().items())
             raise DSparkOptionError(
-                f"vllm-dspark: {given} need a speculative config with method 'dspark' or "
-                f"'dflash'; got {f'method={method!r}' if method else 'no method'}, from which "
-                f"vLLM could not build one: {_vllm_reason(error).rstrip('.')}. Valid: "
+                f"vllm-dspark: options {given} need a speculative config with method 'dspark' "
+                f"or 'dflash'; got {f'method={method!r}' if method else 'no method'}, from which "
+                f"vLLM could not build one: {_vllm_reason(error)}. Valid: "
                 '--speculative-config \'{"method": "dspark", "model": <draft>, '
                 '"num_speculative_tokens": <K>, ...}\'.'
             ) from error
