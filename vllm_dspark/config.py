@@ -344,16 +344,15 @@ def _closest(name: str, choices: list[str]) -> str:
     return f" Did you mean {match[0]}?" if match else ""
 
 
-def register_environment_variables(environ: Mapping[str, str] | None = None) -> None:
+def register_environment_variables() -> None:
     """Declare the ``VLLM_DSPARK_*`` variables that are set to vLLM, which warns about
     every ``VLLM_*`` variable it does not know. Only set ones: each declared variable
     enters vLLM's compile-cache key, which stays stock when no option is set."""
     import vllm.envs
 
-    environ = os.environ if environ is None else environ
     for name in OPTION_NAMES:
         env = _env_name(name)
-        if env in environ and env not in vllm.envs.environment_variables:
+        if env in os.environ and env not in vllm.envs.environment_variables:
             vllm.envs.environment_variables[env] = functools.partial(os.getenv, env)
 
 
