@@ -8,11 +8,12 @@ no option set nothing is stored there and vLLM runs exactly as stock.
 
 Validation happens in two steps, both before the engine starts:
 
-1. :func:`resolve_options` parses and type-checks the raw values (unknown keys,
-   wrong types, out-of-range numbers, malformed curves, options set for a mode
-   that does not use them);
+1. :func:`resolve_options` parses and type-checks the raw values (unknown or
+   misspelt keys, wrong types, NaN or infinite numbers, out-of-range numbers,
+   malformed curves, options set for a mode that does not use them);
 2. :func:`check_against_speculative_config` checks them against the speculative
-   config vLLM built (method, draft checkpoint);
+   config vLLM built (method, K against the drafter's block and the per-position
+   lists, token ids against the draft vocabulary, draft checkpoint);
 Every failure raises :class:`DSparkOptionError` naming the key, the bad value and
 the valid choices.
 """
@@ -20,6 +21,7 @@ the valid choices.
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import json
 import os
@@ -55,6 +57,9 @@ LIST_FILE_KEYS = {
     "draft_vocab": "token_ids",
 }
 
+# Options with one value per draft position: exactly num_speculative_tokens of them.
+PER_POSITION_OPTIONS = ("confidence_temperature", "synthetic_confidence")
+
 StrictFloat = Annotated[float, Strict()]
 StrictBool = Annotated[bool, Strict()]
 
@@ -71,7 +76,9 @@ def _valid(text: str) -> dict[str, Any]:
 class DSparkOptions(BaseModel):
     """Every option of vllm-dspark; the defaults are stock vLLM's behaviour."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     capacity: Literal["off", "threshold", "budget", "sps", "acceptance"] = Field(
         "off", json_schema_extra=_valid("one of: off, threshold, budget, sps, acceptance")
@@ -118,12 +125,13 @@ class DSparkOptions(BaseModel):
     confidence_temperature: list[StrictFloat] | None = Field(
         None,
         json_schema_extra=_valid(
-            "a JSON list of positive numbers (one per draft position), or the path of "
-            'a JSON file holding such a list or {"temperatures": [...]}'
+            "a JSON list of positive numbers, one per draft position (num_speculative_tokens "
+            'of them), or the path of a JSON file holding such a list or {"temperatures": [...]}'
         ),
     )
-    """Per-position temperatures of the confidence head; unset means the draft
-    checkpoint's ``dspark_calibration.json`` when present, else 1."""
+    """Per-position temperatures of the confidence head, one per draft position; unset
+    means the draft checkpoint's ``dspark_calibration.json`` when present (its first K),
+    else 1."""
 
     online_sts: StrictBool = Field(False, json_schema_extra=_valid("true or false"))
     """Refit the per-position confidence temperatures while serving (online
@@ -191,7 +199,8 @@ class DSparkOptions(BaseModel):
     synthetic_confidence: list[Annotated[float, Field(gt=0.0, lt=1.0)]] | None = Field(
         None,
         json_schema_extra=_valid(
-            "a JSON list of numbers in (0, 1), one per draft position (benchmarks only)"
+            "a JSON list of numbers in (0, 1), one per draft position (num_speculative_tokens "
+            "of them; benchmarks only)"
         ),
     )
     """Benchmarks with dummy weights only: instead of a confidence head and real
@@ -309,12 +318,21 @@ OPTION_NAMES = tuple(DSparkOptions.model_fields)
 def _load_json_list(text: str, key: str) -> Any:
     """A JSON list given inline, or the path of a JSON file with a list (or {key: list})."""
     if text.lstrip().startswith("["):
-        return json.loads(text)
+        return _parse_json(text, "inline JSON list")
     path = Path(text).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{text} is a directory, not a JSON file")
     if not path.is_file():
         raise ValueError(f"not a JSON list and no such file: {text}")
-    data = json.loads(path.read_text())
+    data = _parse_json(path.read_text(), f"file {text}")
     return data[key] if isinstance(data, dict) and key in data else data
+
+
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the {what} is not valid JSON ({error})") from None
 
 
 def _env_name(option: str) -> str:
@@ -324,6 +342,18 @@ def _env_name(option: str) -> str:
 def _closest(name: str, choices: list[str]) -> str:
     match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" Did you mean {match[0]}?" if match else ""
+
+
+def register_environment_variables() -> None:
+    """Declare the ``VLLM_DSPARK_*`` variables that are set to vLLM, which warns about
+    every ``VLLM_*`` variable it does not know. Only set ones: each declared variable
+    enters vLLM's compile-cache key, which stays stock when no option is set."""
+    import vllm.envs
+
+    for name in OPTION_NAMES:
+        env = _env_name(name)
+        if env in os.environ and env not in vllm.envs.environment_variables:
+            vllm.envs.environment_variables[env] = functools.partial(os.getenv, env)
 
 
 def _parse_env_value(option: str, text: str) -> Any:
@@ -341,16 +371,49 @@ def _parse_env_value(option: str, text: str) -> Any:
         return text
 
 
+# Errors of a value of the right type that breaks a bound.
+_BOUND_ERRORS = frozenset(
+    {
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+        "finite_number",
+        "too_short",
+        "too_long",
+    }
+)
+
+
+def _error_rank(item: dict) -> tuple[int, int]:
+    """Which of an option's errors to report: a union (``"auto"`` or a number) reports one
+    per branch, and the telling one is our own check, then a broken bound, then a wrong
+    type; a keyword branch's "Input should be 'auto'" only when nothing else failed. Of
+    equals, the one that got deepest into the value."""
+    kind = item["type"]
+    if kind == "value_error":
+        rank = 0
+    elif kind in _BOUND_ERRORS:
+        rank = 1
+    else:
+        rank = 3 if kind == "literal_error" else 2
+    return rank, -len(item["loc"])
+
+
 def _format_errors(error: ValidationError, sources: Mapping[str, str], raw: Mapping) -> str:
-    # One message per option; a union reports each branch, so prefer our own checks.
+    # One message per option.
     by_option: dict[str | None, dict] = {}
     for item in error.errors():
         option = item["loc"][0] if item["loc"] else None
-        if option not in by_option or item["type"] == "value_error":
+        if option not in by_option or _error_rank(item) < _error_rank(by_option[option]):
             by_option[option] = item
     lines = []
     for option, item in by_option.items():
         message = item["msg"].removeprefix("Value error, ")
+        # Where in a list the bad item sits, e.g. [1][1] for a curve's second speed.
+        where = "".join(f"[{i}]" for i in item["loc"][1:] if isinstance(i, int))
+        if where:
+            message += f" at {where}"
         if option in sources:
             valid = DSparkOptions.model_fields[option].json_schema_extra["valid"]
             lines.append(
@@ -371,25 +434,36 @@ def resolve_options(
     environ = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    given_as: dict[str, str] = {}  # the spelling each option came under
     keys = [KEY_PREFIX + name for name in OPTION_NAMES]
     for key, value in spec_keys.items():
-        name = key.removeprefix(KEY_PREFIX)
-        if name not in OPTION_NAMES:
+        # vLLM reads '-' as '_' in key names; so do we.
+        canonical = key.replace("-", "_")
+        name = canonical.removeprefix(KEY_PREFIX)
+        if not canonical.startswith(KEY_PREFIX) or name not in OPTION_NAMES:
+            lowered = canonical.lower()
+            case = " (option keys are lower case)" if lowered != canonical else ""
             raise DSparkOptionError(
-                f"vllm-dspark: unknown option {key!r} in the speculative config."
-                f"{_closest(key, keys)} Valid options: {', '.join(keys)}."
+                f"vllm-dspark: unknown option {key!r}={value!r} in the speculative config"
+                f"{case}.{_closest(lowered, keys)} Valid options: {', '.join(keys)}."
             )
-        raw[name], sources[name] = value, key
+        if name in raw:
+            raise DSparkOptionError(
+                f"vllm-dspark: {KEY_PREFIX}{name} is given twice, as {given_as[name]!r}="
+                f"{raw[name]!r} and {key!r}={value!r}. Valid: one of the two spellings."
+            )
+        raw[name], sources[name], given_as[name] = value, KEY_PREFIX + name, key
     overrides = []
     env_names = [_env_name(name) for name in OPTION_NAMES]
     for env, text in sorted(environ.items()):
-        if not env.startswith(ENV_PREFIX):
+        if not env.upper().startswith(ENV_PREFIX):
             continue
-        name = env.removeprefix(ENV_PREFIX).lower()
-        if name not in OPTION_NAMES:
+        name = env.upper().removeprefix(ENV_PREFIX).lower()
+        if not env.startswith(ENV_PREFIX) or name not in OPTION_NAMES:
+            case = " (variable names are upper case)" if env != env.upper() else ""
             raise DSparkOptionError(
-                f"vllm-dspark: unknown environment variable {env}.{_closest(env, env_names)} "
-                f"Valid variables: {', '.join(env_names)}."
+                f"vllm-dspark: unknown environment variable {env}={text!r}{case}."
+                f"{_closest(env.upper(), env_names)} Valid variables: {', '.join(env_names)}."
             )
         value = _parse_env_value(name, text)
         if name in raw:
@@ -413,6 +487,67 @@ def _draft_has_confidence_head(speculative_config: Any) -> bool:
     hf_config = getattr(draft, "hf_config", None)
     default = DEEPSEEK_V4_DSPARK in (getattr(hf_config, "architectures", None) or ())
     return bool(getattr(hf_config, "enable_confidence_head", default))
+
+
+def _label(name: str) -> str:
+    """How the user set an option: its variable where the environment set it, else its key."""
+    env = _env_name(name)
+    return env if env in os.environ else KEY_PREFIX + name
+
+
+def _brief(values: list) -> str:
+    return repr(values) if len(values) <= 8 else f"[{', '.join(map(repr, values[:8]))}, ...]"
+
+
+def _check_against_drafter(options: DSparkOptions, speculative_config: Any) -> None:
+    """K against the drafter's block and the per-position lists; the draft vocabulary's
+    token ids against the draft model's vocabulary."""
+    num_drafts = getattr(speculative_config, "num_speculative_tokens", None)
+    draft = getattr(speculative_config, "draft_model_config", None)
+    hf_config = getattr(draft, "hf_config", None)
+    model = getattr(speculative_config, "model", None)
+    # A DSpark/DFlash checkpoint drafts one block of block_size positions in one pass;
+    # DeepSeek-V4's DSpark module, configured by the target's config, is left to vLLM.
+    block_size = getattr(hf_config, "block_size", None)
+    is_deepseek_v4 = DEEPSEEK_V4_DSPARK in (getattr(hf_config, "architectures", None) or ())
+    if isinstance(num_drafts, int) and isinstance(block_size, int) and not is_deepseek_v4:
+        if num_drafts > block_size:
+            set_keys = ", ".join(KEY_PREFIX + name for name in options.non_default())
+            raise DSparkOptionError(
+                f"vllm-dspark: num_speculative_tokens={num_drafts} is more than the "
+                f"{block_size} positions the drafter {model} drafts (block_size={block_size} "
+                f"in its config.json); {set_keys} need K within its block. Valid: "
+                f"num_speculative_tokens from 1 to {block_size}."
+            )
+    # Per-position lists: one value per draft position, like vLLM's synthetic_acceptance_rates.
+    for name in PER_POSITION_OPTIONS:
+        values = getattr(options, name)
+        if values is not None and isinstance(num_drafts, int) and len(values) != num_drafts:
+            raise DSparkOptionError(
+                f"vllm-dspark: {_label(name)} has {len(values)} values ({_brief(values)}); "
+                f"num_speculative_tokens={num_drafts} needs one per draft position. "
+                f"Valid: exactly {num_drafts} values."
+            )
+    vocab_size = getattr(hf_config, "vocab_size", None)
+    if options.draft_vocab is None or not isinstance(vocab_size, int):
+        return
+    valid = (
+        f"the draft model {model} has {vocab_size} tokens (ids 0..{vocab_size - 1}). Valid: "
+        f"a count from 1 to {vocab_size}, or token ids below {vocab_size}."
+    )
+    if isinstance(options.draft_vocab, int) and options.draft_vocab > vocab_size:
+        raise DSparkOptionError(
+            f"vllm-dspark: {_label('draft_vocab')}={options.draft_vocab} keeps token ids "
+            f"0..{options.draft_vocab - 1}; {valid}"
+        )
+    if isinstance(options.draft_vocab, list):
+        outside = sorted(i for i in options.draft_vocab if i >= vocab_size)
+        if outside:
+            raise DSparkOptionError(
+                f"vllm-dspark: {_label('draft_vocab')} names token ids outside the draft "
+                f"vocabulary: {_brief(outside)} ({len(outside)} of {len(options.draft_vocab)} "
+                f"ids); {valid}"
+            )
 
 
 def check_against_speculative_config(options: DSparkOptions, speculative_config: Any) -> None:
@@ -450,6 +585,7 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             f"'dspark' (a drafter with a confidence/Markov head); got method={method!r}. "
             f"Valid with {method}: {KEY_PREFIX}capacity=off or acceptance."
         )
+    _check_against_drafter(options, speculative_config)
     if options.plain_steps and speculative_config.num_speculative_tokens_per_batch_size:
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}plain_steps=True decides the drafts each step "
@@ -484,12 +620,6 @@ def check_against_speculative_config(options: DSparkOptions, speculative_config:
             raise DSparkOptionError(
                 f"vllm-dspark: {KEY_PREFIX}synthetic_confidence replaces vLLM's synthetic "
                 "acceptance; drop rejection_sample_method='synthetic' (valid: 'standard')."
-            )
-        if len(options.synthetic_confidence) < speculative_config.num_speculative_tokens:
-            raise DSparkOptionError(
-                f"vllm-dspark: {KEY_PREFIX}synthetic_confidence has "
-                f"{len(options.synthetic_confidence)} values; num_speculative_tokens="
-                f"{speculative_config.num_speculative_tokens} needs one per draft position."
             )
         return  # no confidence head is read
     if options.needs_confidence and not _draft_has_confidence_head(speculative_config):

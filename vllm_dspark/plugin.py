@@ -29,10 +29,13 @@ def check_vllm_version(installed: str | None = None) -> None:
 def register() -> None:
     """Check the vLLM version and apply every patch; safe to call any number of times."""
     global _registered
-    if _registered:
-        return
-    check_vllm_version()
-    from vllm_dspark import patches
+    if not _registered:
+        check_vllm_version()
+        from vllm_dspark import patches
 
-    patches.apply_all()
-    _registered = True
+        patches.apply_all()
+        _registered = True
+    # On every call: the environment may have gained a variable since the last one.
+    from vllm_dspark.config import register_environment_variables
+
+    register_environment_variables()
