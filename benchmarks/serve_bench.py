@@ -150,9 +150,9 @@ class Models:
     dataset_args: list[str]
 
 
-def embedded_models(root: Path, input_len: int, output_len: int) -> Models:
-    """The trained pair; its held-out prompts' text as a custom JSONL dataset under
-    ``root`` (``input_len`` unused: the prompts are 64 tokens each)."""
+def embedded_models(root: Path, output_len: int) -> Models:
+    """The trained pair; its held-out prompts' text (64 tokens each) as a custom JSONL
+    dataset under ``root``."""
     from vllm_dspark.demo import EMBEDDED_PAIR
 
     prompts = json.loads((EMBEDDED_PAIR / "heldout_prompts.json").read_text())
@@ -200,8 +200,9 @@ def shape_models(shape: str, root: Path, input_len: int, output_len: int) -> Mod
 
 
 def setup_models(setup: str, root: Path, input_len: int, output_len: int) -> Models:
+    """``input_len``: the random prompts of a shape (the embedded pair's are its own)."""
     if setup == "embedded":
-        return embedded_models(root, input_len, output_len)
+        return embedded_models(root, output_len)
     return shape_models(setup, root, input_len, output_len)
 
 

@@ -219,7 +219,7 @@ def test_dynamic_sd_runs_vllms_batch_size_table(qwen3_models, options):
 
 
 def test_no_speculation_and_the_embedded_pair(tmp_path, options):
-    models = embedded_models(tmp_path, 128, 64)
+    models = embedded_models(tmp_path, 64)
     assert "--speculative-config" not in server_args(ARM_PRESETS["nospec"], models, options)
     words = server_args(ARM_PRESETS["k7"], models, options)
     assert "--load-format" not in words  # real weights
@@ -267,7 +267,7 @@ def test_a_poisson_point_and_the_saturating_point(qwen3_models, options, tmp_pat
 
 
 def test_the_embedded_client_reads_the_held_out_text(tmp_path, options):
-    models = embedded_models(tmp_path, 128, 64)
+    models = embedded_models(tmp_path, 64)
     parsed = parse_bench(bench_command("http://x", models, 4.0, 120, tmp_path, "c.json", options))
     assert parsed.dataset_name == "custom" and parsed.custom_output_len == 64
     assert parsed.skip_chat_template
