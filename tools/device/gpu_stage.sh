@@ -42,8 +42,16 @@
 #            names other arms, e.g. nospec,dspark,dspark-fp8 (an engine each); a sixth, the
 #            concurrencies
 #   depth    draft step time per physical depth, Qwen3-8B shape (vLLM; one engine)
-#   serve    a real `vllm serve` per arm driven by the OpenAI client; third argument the
-#            pair: embedded (3 servers of ~60 s) or qwen3-8b (3 servers of ~110-190 s)
+#   serve    a real `vllm serve` per arm driven by vLLM's own client (`vllm bench serve`) at
+#            Poisson request rates and at saturation (benchmarks/serve_bench.py): TPOT and
+#            TTFT against output throughput; third argument the setup: embedded (servers of
+#            ~60 s) or qwen3-8b (~110-190 s each, 7 arms: from the queue, or name a few);
+#            fourth, the arms (default: every one the setup runs); fifth, the request rates.
+#            A later call on the same warm machine merges the setup's earlier rows (kept in
+#            /tmp); each call's per-point client JSON and logs come back as one archive
+#   sampling  sampled outputs (temperature 1, top-k / top-p) with every capacity mode
+#            against no speculation, as distributions (chi-square), on the embedded pair,
+#            and a deliberately biased verifier the test must catch (vLLM; two engines)
 #   breakdown  step-time breakdown, Qwen3-8B shape; third argument the arms (each an
 #            engine of ~3 min on an H100: from the queue; a later call merges the earlier
 #            rows, kept in /tmp on the warm machine); optional: a fourth, graphs up to
@@ -208,12 +216,22 @@ case "$stage" in
     ;;
   serve)
     vllm_env; use_recalibrated
-    pair=${3:?pair}; arms=benchmarks/arms/embedded.json
-    [ "$pair" = qwen3-8b ] && arms=benchmarks/arms/qwen3_8b_synthetic.json
-    # Three servers: longer than one call allows, so run it from tools/device/queue.sh (the
-    # JSON and plot are rewritten after every server).
-    timeout 1500 python3 benchmarks/serve_sweep.py --arms "$arms" --pair "$pair" \
-      --out "$OUT/serve_sweep_$pair.json" 2>&1 | grep "^{\|Error\|error" | tail -12
+    setup=${3:?setup}; name=serving_$setup
+    merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
+    # The JSON and plot are rewritten after every point, so a cut run keeps what ran.
+    timeout 1500 python3 benchmarks/serve_bench.py --setup "$setup" ${4:+--arms "$4"} \
+      ${5:+--rates "$5"} "${merge[@]}" --out "$OUT/$name.json" 2>&1 \
+      | grep --line-buffered "^{\|Error\|error\|failed" | tee "$OUT/$name.log" | tail -40
+    [ -f "$OUT/$name.json" ] && cp "$OUT/$name.json" "/tmp/$name.json"
+    # One archive for the points' client results and the server logs (the device returns
+    # at most 8 files).
+    tar czf "$OUT/${name}_points.tar.gz" -C "$OUT" "${name}_points" && rm -rf "$OUT/${name}_points"
+    ;;
+  sampling)
+    vllm_env; use_recalibrated
+    # Fixed KV caches: the test runs its engines side by side.
+    timeout 560 python3 -m pytest tests/gpu/test_sampling_lossless_gpu.py -q -p no:cacheprovider -rA \
+      2>&1 | tee "$OUT/sampling.log" | tail -15
     ;;
   breakdown)
     vllm_env
