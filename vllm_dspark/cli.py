@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--max-tokens",
-        type=bounded_int(1, MAX_OUTPUT_TOKENS),
+        # The first token comes from the prompt's forward: speculation starts at the second.
+        type=bounded_int(2, MAX_OUTPUT_TOKENS, " (speculation starts at the second token)"),
         help=f"output tokens per request (default {GPU_DEFAULTS['max_tokens']} on a GPU, "
         f"{CPU_DEFAULTS['max_tokens']} on the CPU)",
     )

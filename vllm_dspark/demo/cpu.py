@@ -240,6 +240,23 @@ def _floats(values, digits: int = 2) -> list[str]:
     return ["-" if value is None else f"{value:.{digits}f}" for value in values]
 
 
+def example_step(walks: list[PromptWalk], k: int) -> tuple[int, int, VerifiedStep, list[int]]:
+    """(prompt, step, the step, its context): the first step that accepted some drafts and
+    rejected one, which shows both (else the first step)."""
+    found = [
+        (p, s)
+        for p, walk in enumerate(walks)
+        for s, step in enumerate(walk.steps)
+        if 0 < step.accepted < k
+    ]
+    prompt, index = found[0] if found else (0, 0)
+    walk = walks[prompt]
+    context = walk.prompt + [walk.output[0]]
+    for step in walk.steps[:index]:
+        context += step.committed
+    return prompt, index, walk.steps[index], context
+
+
 def format_step(step: VerifiedStep, context: list[int], tokenizer) -> list[str]:
     k = len(step.drafts)
     marks = ["yes" if j < step.accepted else ("no" if j == step.accepted else "") for j in range(k)]
@@ -268,8 +285,8 @@ def format_cpu_report(result: dict, tokenizer=None) -> list[str]:
         f"{result['prompts']} held-out prompts x {result['max_tokens']} tokens, greedy, "
         f"K={k} drafts per step, float32 on the CPU. No speed is measured here.",
         "",
-        "One DSpark step (the first of prompt 0):",
-        *format_step(result["example_step"], result["example_context"], tokenizer),
+        f"One DSpark step (prompt {result['example'][0]}, step {result['example'][1] + 1}):",
+        *format_step(*result["example"][2:], tokenizer),
         "",
         "Acceptance:",
         f"  {acceptance['steps']} speculative steps; mean acceptance length "
@@ -336,15 +353,14 @@ def cpu_demo_result(
         with stage(4, 4, "timing this CPU's target forward for sps's curve", out=out):
             curve = measured_sps_curve(target)
     steps = [step for walk in walks for step in walk.steps]
-    first = walks[0]
+    example = example_step(walks, k)
     return {
         "record": "vllm-dspark demo, CPU reference (PyTorch), not vLLM",
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "k": k,
         "loads": loads,
-        "example_step": first.steps[0] if first.steps else None,
-        "example_context": first.prompt + first.output[:1],
+        "example": example,
         "acceptance": acceptance_summary(steps, k),
         "calibration": calibration_summary(steps, k),
         "lossless": {
@@ -374,6 +390,6 @@ def run_cpu_demo(
         out(line)
     result["wall_s"] = round(time.monotonic() - start, 1)
     if json_out:
-        record = {key: value for key, value in result.items() if not key.startswith("example")}
+        record = {key: value for key, value in result.items() if key != "example"}
         Path(json_out).write_text(json.dumps(record, indent=2))
     return 0
