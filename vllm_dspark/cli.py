@@ -5,6 +5,7 @@ reference on a machine without one)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -52,6 +53,13 @@ def output_file(text: str) -> str:
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"folder {str(folder)!r} does not exist")
     return text
+
+
+def plot_file(text: str) -> str:
+    """An output file for a matplotlib PNG (matplotlib is in the package's dev extra)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib (pip install matplotlib)")
+    return output_file(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU: the engines' dtype (default float32, where greedy outputs must be equal)",
     )
     demo.add_argument(
-        "--plot", metavar="FILE", type=output_file, help="GPU: write a PNG of tok/s by arm"
+        "--plot",
+        metavar="FILE",
+        type=plot_file,
+        help="write a PNG: tok/s by arm and load (GPU), the confidence head's calibration (CPU)",
     )
     demo.add_argument("--json", metavar="FILE", type=output_file, help="write the results")
     return parser
@@ -158,9 +169,7 @@ def run_demo(args: argparse.Namespace, argv: list[str]) -> int:
 
         if device != args.device:
             print("No CUDA GPU here: running the CPU reference (`--device cpu`).")
-        if args.plot:
-            print("--plot: the CPU reference measures no speed; no plot is written.")
-        return run_cpu_demo(prompts, max_tokens, args.k, concurrency, args.json)
+        return run_cpu_demo(prompts, max_tokens, args.k, concurrency, args.json, args.plot)
     from vllm_dspark.demo.gpu import run_gpu_demo
 
     return run_gpu_demo(

@@ -94,7 +94,7 @@ def cpu_demo(tmp_path_factory):
     """The whole CPU demo through the command line, 3 prompts of 16 tokens, K=7."""
     record = tmp_path_factory.mktemp("demo") / "cpu.json"
     argv = ["demo", "--device", "cpu", "--prompts", "3", "--max-tokens", "16"]
-    argv += ["--concurrency", "1,16", "--json", str(record)]
+    argv += ["--concurrency", "1,16", "--json", str(record), "--plot", str(record) + ".png"]
     report = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(report):
@@ -119,6 +119,8 @@ def test_cpu_demo_runs_every_section_and_is_lossless(cpu_demo):
     ):
         assert section in report, section
     assert record["lossless"] == {"prompts": 3, "identical": 3}
+    plot = report.split("plot: ")[1].split()[0]
+    assert open(plot, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "3/3 prompts (identical)" in report
     acceptance = record["acceptance"]
     assert 1.0 <= acceptance["acceptance_length"] <= 1 + 7

@@ -216,7 +216,7 @@ def one_thread() -> Iterator[None]:
 
 
 def token_text(tokenizer, token: int, width: int = 9) -> str:
-    """A token as a short, visible string (newlines and spaces escaped)."""
+    """A token as a short, visible string (newlines escaped; its id without a tokenizer)."""
     if tokenizer is None:
         return str(token)
     text = repr(tokenizer.decode([token]))[1:-1]
@@ -224,12 +224,10 @@ def token_text(tokenizer, token: int, width: int = 9) -> str:
 
 
 def load_tokenizer(pair_dir: Path):
-    try:
-        from tokenizers import Tokenizer
+    """The target's tokenizer (the report shows tokens as text)."""
+    from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(pair_dir / "target" / "tokenizer.json"))
-    except Exception:  # the ids still tell the story
-        return None
+    return Tokenizer.from_file(str(pair_dir / "target" / "tokenizer.json"))
 
 
 def _row(label: str, cells, width: int = 10, label_width: int = 14) -> str:
@@ -372,12 +370,34 @@ def cpu_demo_result(
     }
 
 
+def plot_calibration(calibration: dict, path: str) -> None:
+    """Predicted against observed prefix survival per draft position (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    positions = np.arange(1, len(calibration["predicted_survival"]) + 1)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(positions - 0.2, calibration["predicted_survival"], 0.4, label="predicted")
+    ax.bar(positions + 0.2, calibration["observed_survival"], 0.4, label="observed")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(drafts 1..k accepted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("Embedded pair, CPU reference (PyTorch): confidence head", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_cpu_demo(
     num_prompts: int,
     max_tokens: int,
     k: int,
     loads: list[int],
     json_out: str | None = None,
+    plot: str | None = None,
     pair_dir: Path = EMBEDDED_PAIR,
     out=print,
 ) -> int:
@@ -389,6 +409,9 @@ def run_cpu_demo(
     for line in format_cpu_report(result, load_tokenizer(pair_dir)):
         out(line)
     result["wall_s"] = round(time.monotonic() - start, 1)
+    if plot:
+        plot_calibration(result["calibration"], plot)
+        out(f"plot: {plot}")
     if json_out:
         record = {key: value for key, value in result.items() if key != "example"}
         Path(json_out).write_text(json.dumps(record, indent=2))
