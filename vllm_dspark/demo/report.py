@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import textwrap
 from dataclasses import asdict, dataclass, field
 
 
@@ -40,7 +41,8 @@ def compare_rows(rows: list) -> list[dict]:
     no speculation's, request by request (``identical_requests`` of ``requests``)."""
     by_load: dict[tuple[str, int], object] = {(row.arm, row.concurrency): row for row in rows}
     compared = []
-    for row in rows:
+    # Grouped by load, the arms in their order within it.
+    for row in sorted(rows, key=lambda row: row.concurrency):
         nospec = by_load.get(("nospec", row.concurrency))
         fixed = by_load.get(("fixed", row.concurrency))
         identical = None
@@ -95,7 +97,9 @@ def format_gpu_report(settings: RunSettings, rows: list[dict], results: list, wa
         "requests submitted at once",
         header,
     ]
-    for row in rows:
+    for before, row in zip([None, *rows], rows, strict=False):
+        if before is not None and row["concurrency"] != before["concurrency"]:
+            lines.append("")  # a blank line between loads
         lines.append(
             f"  {row['concurrency']:>4}  {row['name']:<16}{row['tok_s']:>9,.0f}"
             f"{_number(row['vs_nospec'], suffix='x'):>9}{_number(row['vs_fixed'], suffix='x'):>9}"
@@ -106,35 +110,35 @@ def format_gpu_report(settings: RunSettings, rows: list[dict], results: list, wa
         if result.calibration:
             lines += ["", *format_calibration(result.spec.name, result.calibration)]
     starts = " / ".join(f"{result.engine_start_s:.0f}" for result in results)
+    notes = [
+        "accept len: tokens each verification step commits (accepted drafts + the target's "
+        "own token); drafts/req: drafts verified per request and step (fixed k verifies all "
+        "k).",
+        f"adaptive: {_options(settings.adaptive_options)} (README, 'Which to set'): it "
+        "verifies the drafts whose predicted survival pays for their verification on this "
+        "GPU's step times, measured at start-up and while serving.",
+        "This pair is tiny (a 5.6M-parameter target) and its steps are host-bound: the ratios "
+        "show the plugin's own work per step, not what a large model gains. Repeats of one "
+        "arm spread by several percent.",
+    ]
+    if settings.dtype == "float32":
+        notes.append(
+            "float32: greedy speculative decoding must reproduce no speculation's outputs "
+            "token for token."
+        )
+    else:
+        notes.append(
+            f"{settings.dtype}: verification batches of other shapes round differently, so a "
+            "few requests may differ at near ties of the target's top two tokens; "
+            "--dtype float32 compares exactly."
+        )
     lines += [
         "",
         f"Engines started in {starts} s; the whole demo took {wall_s / 60:.1f} min.",
         "How to read it:",
-        "- accept len: tokens each verification step commits (accepted drafts + the target's "
-        "own token);",
-        "  drafts/req: drafts verified per request and step (fixed k verifies all k).",
-        f'- adaptive: {_options(settings.adaptive_options)} (README, "Which to set"): it '
-        "verifies the drafts",
-        "  whose predicted survival pays for their verification on this GPU's measured step times.",
-        "- This pair is tiny (a 5.6M-parameter target) and its steps are host-bound: the "
-        "ratios show the",
-        "  plugin's scheduling, not what a large model gains. Repeats of one arm spread by "
-        "several percent.",
     ]
-    if settings.dtype == "float32":
-        lines.append(
-            "- float32: greedy speculative decoding must reproduce no speculation's outputs "
-            "token for token."
-        )
-    else:
-        lines.append(
-            f"- {settings.dtype}: verification batches of other shapes round differently, so "
-            "a few requests may"
-        )
-        lines.append(
-            "  differ at near ties of the target's top two tokens; run --dtype float32 "
-            "for exact equality."
-        )
+    for note in notes:
+        lines += textwrap.wrap(note, 92, initial_indent="- ", subsequent_indent="  ")
     return lines
 
 
@@ -151,7 +155,7 @@ def format_calibration(name: str, calibration: dict) -> list[str]:
         return f"  {label:<12}" + "".join(f"{_number(v, digits):>7}" for v in values)
 
     return [
-        f"Confidence head ({name} arm, all its steps): survival of drafts 1..k per position",
+        f"Confidence head, {name} arm (all its steps): survival of drafts 1..k per position",
         row("position", positions, 0),
         row("predicted", calibration["mean_predicted"]),
         row("observed", calibration["mean_observed"]),
