@@ -152,14 +152,15 @@ def test_cpu_demo_capacity_table_follows_the_modes(cpu_demo):
 
 def test_speculative_greedy_equals_plain_greedy_with_fewer_drafts():
     from vllm_dspark.demo import load_prompts
-    from vllm_dspark.demo.cpu import plain_greedy, speculative_greedy
+    from vllm_dspark.demo.cpu import one_thread, plain_greedy, speculative_greedy
     from vllm_dspark.tiny_pair.reference import load_reference_pair
 
     target, drafter, temperatures = load_reference_pair(EMBEDDED_PAIR)
     prompts = load_prompts(num_prompts=2)
-    plain = plain_greedy(target, prompts, 12)
-    for prompt, expected in zip(prompts, plain, strict=True):
-        walk = speculative_greedy(target, drafter, temperatures, prompt, 12, k=2)
+    with one_thread():
+        plain = plain_greedy(target, prompts, 12)
+        walks = [speculative_greedy(target, drafter, temperatures, p, 12, k=2) for p in prompts]
+    for walk, expected in zip(walks, plain, strict=True):
         assert walk.output == expected
         assert all(len(step.drafts) == 2 and step.accepted <= 2 for step in walk.steps)
         # The first token comes from the prompt's forward, each step adds accepted + 1.
