@@ -281,7 +281,7 @@ def format_cpu_report(result: dict, tokenizer=None) -> list[str]:
         "=== CPU reference (PyTorch), not vLLM ===",
         f"The embedded pair (5.6M-parameter target, DSpark drafter with a confidence head), "
         f"{result['prompts']} held-out prompts x {result['max_tokens']} tokens, greedy, "
-        f"K={k} drafts per step, float32 on the CPU. No speed is measured here.",
+        f"K={k} drafts per step, float32 on the CPU; throughput is compared on a GPU only.",
         "",
         f"One DSpark step (prompt {result['example'][0]}, step {result['example'][1] + 1}):",
         *format_step(*result["example"][2:], tokenizer),
