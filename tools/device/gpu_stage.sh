@@ -12,7 +12,11 @@
 #            --from-export; no vLLM needed) into /tmp/recal_pair, packed into $OUT; later
 #            stages on the same machine run on it; plus the FP8 head's agreement on the
 #            pair's real hidden states
-#   pair     demo + reference check (vLLM)
+#   demo     `vllm-dspark demo` as a user runs it (three engines of the embedded pair: no
+#            speculation, fixed k=7, adaptive sps; 1 and 64 requests, float32): its report
+#            in demo.log, demo.json (benchmarks/results/demo.json) and demo.png; extra
+#            arguments go to the demo (tests/gpu/test_demo_gpu.py runs it with small settings)
+#   pair     reference check: vLLM's drafts and confidences against the PyTorch reference's
 #   arms     capacity modes (one engine, switched), FP8 heads and FP8 drafter on the pair,
 #            against no speculation, and the FP8 drafter's GEMM (vLLM; 4 engines of ~60-90 s);
 #            DFlash's controller with mixed steps on the tiny shape (two small engines); a
@@ -144,14 +148,16 @@ case "$stage" in
     use_recalibrated
     PYTHONPATH=. timeout 200 python3 -m pytest tests/gpu/test_pair_arms_gpu.py -k agrees -q -p no:cacheprovider -rA 2>&1 | tail -4
     ;;
+  demo)
+    vllm_env; use_recalibrated
+    # The demo's own progress and report lines (vLLM's log is at WARNING unless
+    # VLLM_LOGGING_LEVEL says otherwise); each engine start prints a line every 15 s.
+    timeout 480 python3 -m vllm_dspark.cli demo --device gpu --json "$OUT/demo.json" \
+      --plot "$OUT/demo.png" "${@:3}" > "$OUT/demo.log" 2>&1
+    echo "demo rc=$?"; tr '\r' '\n' < "$OUT/demo.log" | grep -v "it/s\]" | tail -40
+    ;;
   pair)
     vllm_env; use_recalibrated
-    # Third argument "tests": the tests only (vLLM's drafts and confidences against the
-    # reference's), without the README's demo.
-    if [ "${3:-}" != tests ]; then
-      timeout 300 python3 -m vllm_dspark.cli demo --json "$OUT/demo.json" --plot "$OUT/tiny_pair_acceptance.png" > "$OUT/demo.log" 2>&1
-      echo "demo rc=$?"; quiet < "$OUT/demo.log" | tail -15
-    fi
     timeout 280 python3 -m pytest tests/gpu/test_tiny_pair_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -8
     ;;
   arms)
