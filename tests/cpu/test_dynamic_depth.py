@@ -306,6 +306,7 @@ def test_one_dflash_engine_switches_between_its_acceptance_arms(plugin_speculato
     start, switches = shared_engine_plan(arms, None)
     assert start.pop("method") == "dflash"
     start["dspark_sps_curve"] = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    start["dspark_draft_vocab"] = 1024  # within the tiny drafter's 4096 tokens
     speculator = plugin_speculator(K, method="dflash", **start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))  # captured at start-up
     speculator.controller.varies_depth = True  # as with depth graphs
@@ -589,6 +590,7 @@ def test_fixed_depth_runs_in_the_controllers_engine_with_capacity_off(plugin_spe
     assert label == "dflash-depth-lean+dflash-fixed-lean"
     assert start.pop("method") == "dflash"
     start["dspark_sps_curve"] = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    start["dspark_draft_vocab"] = 1024  # within the tiny drafter's 4096 tokens
     speculator = plugin_speculator(K, method="dflash", **start)
     speculator._depth_graphs = dict.fromkeys(range(1, K + 1))
     (_, controller), (_, fixed) = switches
