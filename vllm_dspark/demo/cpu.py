@@ -14,6 +14,7 @@ functions (:mod:`vllm_dspark.capacity.allocation`) on this run's confidences.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,16 +113,24 @@ def acceptance_summary(steps: list[VerifiedStep], k: int) -> dict:
 
 def calibration_summary(steps: list[VerifiedStep], k: int) -> dict:
     """Per position: the mean predicted survival s_k against the observed share of steps
-    whose drafts 1..k were all accepted, and the survival's AUROC and ECE."""
-    from vllm_dspark.tiny_pair.calibration import auroc, expected_calibration_error
+    whose drafts 1..k were all accepted, and the survival's AUROC and ECE, measured by the
+    runtime's own statistics (what ``dspark_confidence_metrics`` reports from an engine)."""
+    from vllm_dspark.capacity.calibration_stats import CalibrationStats
 
-    predicted = np.array([step.survival for step in steps])
-    observed = np.array([[step.accepted > j for j in range(k)] for step in steps])
+    stats = CalibrationStats(k, torch.device("cpu"))
+    accepted = torch.tensor([step.accepted for step in steps])
+    survival = torch.tensor([step.survival for step in steps], dtype=torch.float32)
+    stats.observe(survival, torch.full_like(accepted, k), accepted)  # every step verifies K
+    prefix = stats.summary()["prefix"]
+
+    def known(values: list[float]) -> list[float | None]:
+        return [None if math.isnan(value) else value for value in values]
+
     return {
-        "predicted_survival": predicted.mean(axis=0).tolist(),
-        "observed_survival": observed.mean(axis=0).tolist(),
-        "auroc": [auroc(predicted[:, j], observed[:, j]) for j in range(k)],
-        "ece": [expected_calibration_error(predicted[:, j], observed[:, j]) for j in range(k)],
+        "predicted_survival": prefix.mean_predicted,
+        "observed_survival": prefix.mean_observed,
+        "auroc": known(prefix.auroc),
+        "ece": known(prefix.ece),
     }
 
 
