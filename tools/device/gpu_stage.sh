@@ -138,6 +138,7 @@ case "$stage" in
     export DSPARK_PROBE_KV_CACHE_BYTES=$((2 << 30))
     timeout 500 python3 -m pytest tests/gpu/test_capacity_kernels_gpu.py tests/gpu/test_context_kv_gpu.py tests/gpu/test_smoke_gpu.py \
       -q -p no:cacheprovider -x 2>&1 | tee "$OUT/smoke.log" | tail -15
+    exit "${PIPESTATUS[0]}"  # pytest's status, so that "smoke!" gates the queue
     ;;
   recal)
     rm -rf "$RECAL"
