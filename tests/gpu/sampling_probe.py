@@ -36,8 +36,8 @@ def set_always_accept(worker, on: bool) -> None:
 
 def main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
-    from vllm_dspark.bench.engine_control import switch_capacity
 
+    from vllm_dspark.bench.engine_control import switch_capacity
     from vllm_dspark.metrics import SpecDecodeCounts
 
     speculative = None

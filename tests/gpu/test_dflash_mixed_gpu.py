@@ -33,6 +33,11 @@ DFLASH_CONTROLLER = {
     # looked cheaper than compacting to one, and no step carrying a prompt was compacted:
     # the layout this test checks never ran (the controller's choice there, not an error).
     "dspark_step_overhead_ms": 0.0,
+    # A given curve, so no drafter times are profiled either: with dummy weights nothing
+    # is accepted, every depth verifies the same expected tokens, and profiled times (a few
+    # microseconds apart) picked depth 7 for some proposals at b5e462f (H100), whose steps
+    # then admitted every draft and ran uncompacted: no mixed step was compacted.
+    "dspark_sps_curve": [[1, 1000.0], [64, 900.0], [512, 400.0]],
 }
 
 
