@@ -17,7 +17,7 @@ CONFIGS = sorted((EVALS / "configs").glob("*.yaml"))
 
 def test_the_configs_the_project_promises_exist():
     names = {path.name for path in CONFIGS}
-    assert "DeepSeek-V4-Flash-DSpark-varlen-TP4.yaml" in names
+    assert "DeepSeek-V4-Flash-DSpark-sps-TP4.yaml" in names
     assert sum(name.startswith("Qwen3-8B-DSpark") for name in names) >= 2
 
 
@@ -34,12 +34,15 @@ def test_config_options_validate(path):
 
 
 def test_deepseek_tp4_config_is_what_it_says():
-    config = EvalConfig.load(EVALS / "configs" / "DeepSeek-V4-Flash-DSpark-varlen-TP4.yaml")
+    config = EvalConfig.load(EVALS / "configs" / "DeepSeek-V4-Flash-DSpark-sps-TP4.yaml")
     assert "--tensor-parallel-size 4" in config.server_args
     speculative = config.speculative_config()
     assert speculative["num_speculative_tokens"] == 7
     options, _ = resolve_options({k: v for k, v in speculative.items() if k.startswith("dspark")})
-    assert (options.capacity, options.budget_frac, options.varlen_verify) == ("sps", 0.5, True)
+    # Compact verification is refused at start-up on DeepSeek-V4's sparse MLA backends.
+    assert (options.capacity, options.budget_frac, options.varlen_verify) == ("sps", 0.5, False)
+    # The DSpark module ships in the target's checkpoint: vLLM takes the target's path.
+    assert "model" not in speculative
     assert config.accuracy_threshold == 0.92
 
 

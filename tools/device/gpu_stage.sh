@@ -99,6 +99,17 @@
 #            concurrencies, repeats (9)
 #   sanitizer  compute-sanitizer memcheck over a short run of the embedded pair with every
 #            capacity option (tests/gpu/test_sanitizer_gpu.py; skipped without the tool)
+#   moe-lossless  the tiny-moe shape (Qwen3 MoE target, dense DSpark drafter, float32,
+#            dummy weights): greedy outputs of fixed k=7 and every capacity mode against
+#            no speculation (tests/gpu/test_moe_lossless_gpu.py; five small engines)
+#   moe-qwen3  throughput on the Qwen3-30B-A3B shape with its DSpark drafter, calibrated
+#            synthetic confidence: no speculation, fixed k=7, every capacity mode (one
+#            shared engine), graphs to 2,048 tokens, at 1, 16, 64, 256 requests; rows
+#            {shape, arm, concurrency, tok_s, ...} in moe_qwen3.json (offline_sweep's
+#            record: setup names the shape). Third and fourth arguments: other arms, other
+#            concurrencies
+# MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
+# qwen3 for the Qwen3 MoE stages).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
 # tested commit in the JSON results.
 set -u
@@ -110,6 +121,10 @@ vllm_env() {
   . tools/device/register_plugin.sh /tmp/vsite >/dev/null
   # Multi-GPU kinds must keep NVLink multicast off (what and why: the file's comments).
   set -a; . tools/device/no_multicast.env; set +a
+}
+vllm_moe_env() {
+  vllm_env
+  . tools/device/moe_bundle.sh install || exit 1
 }
 use_recalibrated() {
   # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
@@ -359,6 +374,21 @@ case "$stage" in
       --out "$OUT/$stage.json" 2>&1 | quiet \
       | tee "$OUT/$stage.log" \
       | tail -30
+    ;;
+  moe-lossless)
+    vllm_moe_env
+    timeout 560 python3 -m pytest tests/gpu/test_moe_lossless_gpu.py -q -p no:cacheprovider -rA \
+      2>&1 | tee "$OUT/moe_lossless.log" | tail -12
+    exit "${PIPESTATUS[0]}"  # pytest's status, so that "moe-lossless!" gates the queue
+    ;;
+  moe-qwen3)
+    vllm_moe_env
+    # The capacity-qwen3 sweep on the MoE target: no speculation, stock fixed k=7, then
+    # the capacity modes in one shared engine.
+    timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-30b-a3b --acceptance confidence \
+      --arms "${3:-nospec,dspark,sps-depth-plain,sps,budget,threshold}" --shared-engine \
+      --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
+      --out "$OUT/moe_qwen3.json" 2>&1 | quiet | tee "$OUT/moe_qwen3.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,0 +1,93 @@
+"""On a GPU: a Qwen3 MoE target (the tiny-moe shape: 8 experts, 2 active, vLLM's fused MoE
+path) with its dense DSpark drafter keeps greedy outputs identical to no speculation, at a
+fixed K=7 and with every capacity mode under compact verification.
+
+Dummy weights in float32, as test_dflash_mixed_gpu.py: drafts are almost never accepted,
+so the test checks that the MoE target's verification of K positions a request (its
+routing and expert alignment over a batch of draft rows, compacted or not) changes no
+output. Needs the MoE bundle's _moe_C (tools/device/moe_bundle.sh). An output that differs
+must do so first where no speculation's top-two logprob gap is below ``FLOAT32_TIE_GAP``,
+and few may (dummy logits lie close)."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from gpu_results import prompt_divergences, write_result
+from pair_probe import LLM_PROBE
+from shapes import write_shape
+from subprocess_probe import run_probe
+
+NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 32, 32, 8
+FLOAT32_TIE_GAP, MAX_DIVERGING = 1e-4, 3
+SYNTHETIC_CONFIDENCE = [0.8, 0.78, 0.77, 0.77, 0.76, 0.75, 0.76]
+CURVE = [[1, 1000.0], [64, 900.0], [512, 400.0]]
+ARMS = {
+    "dspark": {},
+    "budget": {"dspark_capacity": "budget", "dspark_budget_frac": 0.5},
+    "threshold": {"dspark_capacity": "threshold", "dspark_confidence_threshold": 0.5},
+    "sps": {"dspark_capacity": "sps", "dspark_sps_curve": CURVE},
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs() -> dict[str, str]:
+    return write_shape("tiny-moe", Path(tempfile.mkdtemp()), draft_layers=1)
+
+
+def prompts() -> list[list[int]]:
+    return [
+        [3 + (29 * i + 5 * j) % 4000 for j in range(9 + (11 * i) % 27)] for i in range(NUM_PROMPTS)
+    ]
+
+
+def run(dirs: dict, options: dict | None, **probe) -> dict:
+    if options is not None and options.get("dspark_capacity"):
+        options = options | {
+            "dspark_varlen_verify": True,
+            "dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE,
+        }
+    spec = probe | {
+        "target": dirs["target"],
+        "draft": dirs["draft"] if options is not None else None,
+        "options": options or {},
+        "dummy": True,
+        "dtype": "float32",
+        "max_num_seqs": MAX_NUM_SEQS,
+        "prompts": prompts(),
+        "max_tokens": MAX_TOKENS,
+    }
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec))
+
+
+@pytest.mark.gpu
+def test_moe_target_greedy_lossless_with_every_capacity_mode(moe_dirs):
+    nospec = run(moe_dirs, None, margins=True)
+    assert all(len(ids) == MAX_TOKENS for ids in nospec["token_ids"])
+    results = {}
+    for arm, options in ARMS.items():
+        out = run(moe_dirs, options)
+        results[arm] = {
+            "greedy_token_ids_identical": out["token_ids"] == nospec["token_ids"],
+            "first_divergences": prompt_divergences(out["token_ids"], nospec),
+            "spec_decode": out["spec_decode"],
+        }
+    write_result(
+        "moe_lossless_gpu.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_moe_lossless_gpu.py",
+        {
+            "setup": {
+                "target": "tiny-moe Qwen3 MoE (4 layers, hidden 256, 8 experts, 2 active), "
+                "dummy weights",
+                "draft": "DSpark, 1 dense layer, K=7; capacity arms with compact verification "
+                "and synthetic confidence",
+                "sampling": "greedy, float32",
+            },
+            "result": results,
+        },
+    )
+    for arm, result in results.items():
+        divergences = result["first_divergences"]
+        assert len(divergences) <= MAX_DIVERGING, (arm, divergences)
+        assert all(d["gap"] < FLOAT32_TIE_GAP for d in divergences.values()), (arm, divergences)
