@@ -32,3 +32,17 @@ def run_pair(options: dict | None, plugin: bool = True, timeout: int = 900, **sp
     plugin loaded."""
     plugins = None if plugin else without_dspark_plugin()
     return run_probe(LLM_PROBE, stdin=pair_spec(options, **spec), plugins=plugins, timeout=timeout)
+
+
+def run_dummy(target: str, draft: str, options: dict | None, **spec) -> dict:
+    """``llm_probe.py`` on a dummy-weight float32 pair (``draft`` unused without
+    ``options``: no speculation); ``spec`` gives prompts, max_tokens, max_num_seqs and the
+    probe's other keys."""
+    spec |= {
+        "target": target,
+        "draft": draft if options is not None else None,
+        "options": options or {},
+        "dummy": True,
+        "dtype": "float32",
+    }
+    return run_probe(LLM_PROBE, stdin=json.dumps(spec))

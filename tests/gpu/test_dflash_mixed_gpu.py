@@ -14,12 +14,9 @@ differs must do so first where no speculation's top-two logprob gap is below
 ``FLOAT32_TIE_GAP`` (a misplaced row derails at any gap), and few may.
 """
 
-import json
-
 import pytest
 from gpu_results import prompt_divergences, write_result
-from pair_probe import LLM_PROBE
-from subprocess_probe import run_probe
+from pair_probe import run_dummy
 
 NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 48, 48, 8
 FLOAT32_TIE_GAP, MAX_DIVERGING = 1e-4, 4
@@ -49,17 +46,15 @@ def prompts() -> list[list[int]]:
 
 
 def run(model_dirs, options: dict | None, **probe) -> dict:
-    spec = probe | {
-        "target": model_dirs["target"],
-        "draft": model_dirs["dflash"] if options is not None else None,
-        "options": options or {},
-        "dummy": True,
-        "dtype": "float32",
-        "max_num_seqs": MAX_NUM_SEQS,
-        "prompts": prompts(),
-        "max_tokens": MAX_TOKENS,
-    }
-    return run_probe(LLM_PROBE, stdin=json.dumps(spec))
+    return run_dummy(
+        model_dirs["target"],
+        model_dirs["dflash"],
+        options,
+        max_num_seqs=MAX_NUM_SEQS,
+        prompts=prompts(),
+        max_tokens=MAX_TOKENS,
+        **probe,
+    )
 
 
 @pytest.mark.gpu

@@ -9,15 +9,13 @@ output. Needs the MoE bundle's _moe_C (tools/device/moe_bundle.sh). An output th
 must do so first where no speculation's top-two logprob gap is below ``FLOAT32_TIE_GAP``,
 and few may (dummy logits lie close)."""
 
-import json
 import tempfile
 from pathlib import Path
 
 import pytest
 from gpu_results import prompt_divergences, write_result
-from pair_probe import LLM_PROBE
+from pair_probe import run_dummy
 from shapes import write_shape
-from subprocess_probe import run_probe
 
 NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 32, 32, 8
 FLOAT32_TIE_GAP, MAX_DIVERGING = 1e-4, 3
@@ -48,17 +46,15 @@ def run(dirs: dict, options: dict | None, **probe) -> dict:
             "dspark_varlen_verify": True,
             "dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE,
         }
-    spec = probe | {
-        "target": dirs["target"],
-        "draft": dirs["draft"] if options is not None else None,
-        "options": options or {},
-        "dummy": True,
-        "dtype": "float32",
-        "max_num_seqs": MAX_NUM_SEQS,
-        "prompts": prompts(),
-        "max_tokens": MAX_TOKENS,
-    }
-    return run_probe(LLM_PROBE, stdin=json.dumps(spec))
+    return run_dummy(
+        dirs["target"],
+        dirs["draft"],
+        options,
+        max_num_seqs=MAX_NUM_SEQS,
+        prompts=prompts(),
+        max_tokens=MAX_TOKENS,
+        **probe,
+    )
 
 
 @pytest.mark.gpu
