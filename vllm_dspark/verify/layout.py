@@ -24,23 +24,20 @@ from vllm_dspark.verify.compaction_kernel import compact_on_device
 def step_facts(runner, scheduler_output) -> StepFacts:
     """What the controller plans a scheduled step from."""
     counts = scheduler_output.num_scheduled_tokens
+    plain_steps = runner.speculator.options.plain_steps
     return StepFacts(
         num_reqs=len(counts),
         num_tokens=scheduler_output.total_num_scheduled_tokens,
         num_drafting=len(scheduler_output.scheduled_spec_decode_tokens),
-        plain_decode=is_plain_decode(scheduler_output),
+        # Read only where plain steps are on: the controller times plain steps apart.
+        plain_decode=plain_steps and is_plain_decode(scheduler_output),
         next_step_drafts=scheduler_output.num_spec_tokens_to_schedule,
-        count_decoding=lambda: _count_decoding(runner, scheduler_output),
+        count_decoding=lambda: count_decoding(runner, scheduler_output),
     )
 
 
-def _count_decoding(runner, scheduler_output) -> int | None:
-    decoding = decoding_requests(runner, scheduler_output)
-    return None if decoding is None else len(decoding)
-
-
-def decoding_requests(runner, scheduler_output) -> list[str] | None:
-    """The requests of a step that decode with their K drafts, when the step can be
+def count_decoding(runner, scheduler_output) -> int | None:
+    """How many requests of a step decode with their K drafts, when the step can be
     compacted: every request decodes, or (mixed steps) every other one carries
     a prompt and no draft. None otherwise (all K drafts are verified)."""
     speculator = runner.speculator
@@ -75,7 +72,7 @@ def decoding_requests(runner, scheduler_output) -> list[str] | None:
     slots = np.fromiter(map(runner.req_states.req_id_to_index.get, old), dtype=np.int32)
     if runner.sampler.returns_logprobs(slots):
         return None
-    return decoding
+    return len(decoding)
 
 
 def _wants_logprobs(new_request) -> bool:
