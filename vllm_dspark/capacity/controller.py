@@ -163,7 +163,7 @@ class CapacityController(DepthControl):
         self.sps_table = None
         self.sps_table_host = None
         # sps: the step's time outside the curve, measured once per engine (switched
-        # between arms, it keeps the host's costs); the compaction wrapper sets the tokens
+        # between arms, it keeps the host's costs); plan_step sets the tokens
         # the running step verifies (None: not a decode step).
         self.measured_overhead = previous.measured_overhead if previous else None
         self.step_overhead = None
@@ -177,7 +177,7 @@ class CapacityController(DepthControl):
         elif uses_curve:
             self.step_overhead = StepOverhead(device, options.step_overhead_ms / 1000.0)
         # sps_curve=auto: profiled once the target's graphs are captured (set_sps_curve);
-        # an engine switched back to auto (switch_capacity) reuses its profile.
+        # a controller that replaces one switched to auto reuses its profile.
         self.profiled_sps_curve = previous.profiled_sps_curve if previous else None
         auto_sps = uses_curve and options.sps_curve == "auto"
         self.needs_sps_profile = auto_sps and self.profiled_sps_curve is None
@@ -209,7 +209,7 @@ class CapacityController(DepthControl):
         # Per decode step while a benchmark traces one batch (None: not tracing):
         # what each step decided and on what (:meth:`trace_step`).
         self.step_trace: list[list] | None = previous.step_trace if previous else None
-        # plain_steps: the drafts the scheduler gave the next step (the compaction wrapper
+        # plain_steps: the drafts the scheduler gave the next step (plan_step
         # sets it; None: not known), and the gate's verdict for the scheduler. K at first,
         # so that an engine switched away from plain steps schedules drafts again.
         self.next_step_drafts = None
@@ -253,7 +253,7 @@ class CapacityController(DepthControl):
         )
         self.pending_admission = None
         # varlen_verify=false: per batch row, the drafts the running step ran but does not
-        # verify (patches/compact_verification.py), until its sampling counts them rejected.
+        # verify (hold_masked_drafts), until its sampling counts them rejected.
         self.masked_drafts = None
         # A hash of every compacted step's k_r in order: tensor-parallel ranks must agree.
         # Folded on the device as each step is prepared, on every rank: only one rank's
