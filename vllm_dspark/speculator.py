@@ -222,13 +222,19 @@ class DSparkPluginSpeculator(PluginSpeculator, GraphedContextKV, DSparkSpeculato
                 self.device,
                 download_dir,
             )
-        if self.options.confidence_metrics:
-            self.calibration = CalibrationStats(self.num_speculative_steps, self.device)
         if self.options.online_sts:
             self.online_sts = OnlineSTS(self.temperatures.clone())
-        if self.calibration is not None or self.online_sts is not None:
-            self.controller.verification_reader = self._read_verification
+        self.record_calibration(self.options.confidence_metrics)
         return model
+
+    def record_calibration(self, recording: bool) -> None:
+        """Start the confidence head's calibration statistics afresh (``recording``) or
+        stop them, and route verified steps to whatever reads them (with online STS)."""
+        self.calibration = None
+        if recording:
+            self.calibration = CalibrationStats(self.num_speculative_steps, self.device)
+        reading = self.calibration is not None or self.online_sts is not None
+        self.controller.verification_reader = self._read_verification if reading else None
 
     def propose(self, *args, **kwargs):
         # The runner passes these by position or by name; bind to read them either way.

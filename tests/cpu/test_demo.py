@@ -188,7 +188,7 @@ def test_admission_takes_threshold_and_sps_budgets_from_the_previous_proposal():
 # --- the GPU path's report, from fake arm rows ----------------------------------------------
 
 
-def fake_results(identical_adaptive: bool = True):
+def fake_results(identical_adaptive: bool = True, divergence_gap: float = 0.5):
     from vllm_dspark.demo.gpu import ArmResult, ArmRow, demo_arms
 
     arms = demo_arms(7)
@@ -201,6 +201,8 @@ def fake_results(identical_adaptive: bool = True):
         for load, speed in zip((1, 64), tok_s[spec.key], strict=True):
             row = ArmRow(spec.key, spec.name, load, speed, [speed * 0.98, speed, speed * 1.01])
             row.outputs = changed if spec.key == "adaptive" and load == 64 else outputs
+            if spec.options is None:  # no speculation: its top-two gaps, the third differing
+                row.top_two_gaps = [[3.0, 2.0, 1.0], [2.0, 1.5, divergence_gap]]
             if spec.options is not None:
                 row.acceptance_length = 3.1
                 row.per_position_acceptance = [0.8, 0.5, 0.3, 0.2, 0.15, 0.1, 0.05]
@@ -249,6 +251,7 @@ def test_gpu_rows_compare_each_arm_with_no_speculation_and_fixed_k():
     assert adaptive["greedy_identical"] is True and adaptive["identical_requests"] == 2
     changed = by_key[("adaptive", 64)]
     assert changed["greedy_identical"] is False and changed["identical_requests"] == 1
+    assert changed["divergence_gaps"] == [0.5] and changed["differs_only_at_near_ties"] is False
     assert by_key[("nospec", 64)]["greedy_identical"] is None
     assert by_key[("fixed", 64)]["vs_nospec"] == pytest.approx(1.2)
 
@@ -315,3 +318,24 @@ def test_requests_repeat_waves_until_enough_requests():
     assert [wave[0] for wave in one][:6] == [[0], [1], [2], [3], [4], [0]]
     (wave,) = requests_for(16, pool)
     assert len(wave) == 16
+
+
+def test_outputs_differing_only_at_near_ties_are_reported_as_such():
+    from vllm_dspark.demo.report import compare_rows, format_gpu_report
+
+    results = fake_results(False, divergence_gap=0.03)
+    rows = compare_rows([row for result in results for row in result.rows])
+    changed = next(r for r in rows if (r["arm"], r["concurrency"]) == ("adaptive", 64))
+    assert changed["differs_only_at_near_ties"] is True and not changed["greedy_identical"]
+    report = "\n".join(format_gpu_report(fake_settings("bfloat16"), rows, results, 251.0))
+    assert "1/2 near ties" in report and "widest here: 0.030" in report
+
+
+def test_divergence_gaps_read_the_first_differing_token():
+    from vllm_dspark.demo.report import divergence_gaps
+
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    outputs = [[1, 2, 0, 0], [5, 6, 7, 8], [9, 0, 9, 9]]
+    gaps = [[0.9, 0.8, 0.07, 0.6], [1.0] * 4, None]  # the third rerun did not reproduce
+    assert divergence_gaps(outputs, reference, gaps) == [0.07, None]
+    assert divergence_gaps(reference, reference, gaps) == []

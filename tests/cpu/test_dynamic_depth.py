@@ -711,3 +711,34 @@ def test_tracing_reaches_the_plugins_speculators_and_skips_vllms_own(plugin_spec
     assert ours.controller.step_trace is None
     stock = SimpleNamespace(num_speculative_steps=K)  # no capacity control
     assert _worker_trace(worker(stock), True) is None and not hasattr(stock, "step_trace")
+
+
+def test_a_running_engine_records_calibration_only_while_switched_on(plugin_speculator):
+    """The demo's untimed calibration pass: switching ``confidence_metrics`` on starts the
+    statistics afresh and routes verified steps to them; switching it off stops both (so
+    ``sps`` may rest again); a drafter without a confidence head refuses it."""
+    import importlib
+
+    from vllm_dspark.config import DSparkOptionError
+    from vllm_dspark.patches import compact_verification
+
+    importlib.import_module(compact_verification.RUNNER_MODULE)
+    compact_verification.apply()
+    curve = [[1, 100.0], [64, 90.0], [512, 30.0]]
+    sps = {"capacity": "sps", "varlen_verify": True, "sps_curve": curve}
+    speculator = plugin_speculator(
+        K, dspark_capacity="sps", dspark_sps_curve=curve, dspark_synthetic_confidence=[0.8] * K
+    )
+    assert speculator.calibration is None
+    assert speculator.controller.verification_reader is None
+    switch_speculator(speculator, sps | {"confidence_metrics": True})
+    first = speculator.calibration
+    assert first is not None and speculator.controller._reads_verification
+    switch_speculator(speculator, sps | {"confidence_metrics": True})
+    assert speculator.calibration is not first  # afresh
+    switch_speculator(speculator, sps)
+    assert speculator.calibration is None and not speculator.controller._reads_verification
+    blind = plugin_speculator(K, dspark_capacity="sps", dspark_sps_curve=curve)
+    blind.synthetic = blind.confidence = None  # as a drafter without a confidence head
+    with pytest.raises(DSparkOptionError, match="confidence head"):
+        switch_speculator(blind, sps | {"confidence_metrics": True})

@@ -21,6 +21,7 @@ def test_demo_on_the_gpu(tmp_path):
     record_path, plot_path = tmp_path / "demo.json", tmp_path / "demo.png"
     command = [sys.executable, "-m", "vllm_dspark.cli", "demo", "--device", "gpu"]
     command += ["--prompts", "16", "--max-tokens", "32", "--concurrency", "1,16"]
+    command += ["--dtype", "float32"]
     command += ["--repeats", "1", "--json", str(record_path), "--plot", str(plot_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=560)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -13,7 +13,7 @@
 #            stages on the same machine run on it; plus the FP8 head's agreement on the
 #            pair's real hidden states
 #   demo     `vllm-dspark demo` as a user runs it (three engines of the embedded pair: no
-#            speculation, fixed k=7, adaptive sps; 1 and 64 requests, float32): its report
+#            speculation, fixed k=7, adaptive sps; 1 and 64 requests, bfloat16): its report
 #            in demo.log, demo.json (benchmarks/results/demo.json) and demo.png; extra
 #            arguments go to the demo (tests/gpu/test_demo_gpu.py runs it with small settings)
 #   pair     reference check: vLLM's drafts and confidences against the PyTorch reference's

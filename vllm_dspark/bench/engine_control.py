@@ -28,6 +28,7 @@ SWITCHABLE = frozenset(
         "mixed_steps",
         "plain_steps",
         "gate_objective",
+        "confidence_metrics",
     }
 )
 
@@ -59,6 +60,8 @@ def switch_speculator(speculator, updates: dict) -> DSparkOptions:
     auto_sps = options.capacity == "sps" and options.sps_curve == "auto"
     if auto_sps and previous.profiled_sps_curve is None:
         missing.append("an SPS profile (start with dspark_capacity=sps)")
+    if options.confidence_metrics and not getattr(speculator, "has_confidence", False):
+        missing.append("a confidence head (DSpark's, with a capacity mode)")
     if missing:
         raise DSparkOptionError(f"vllm-dspark: this engine was started without {missing}.")
     speculator.options = options
@@ -72,6 +75,8 @@ def switch_speculator(speculator, updates: dict) -> DSparkOptions:
     )
     if depth_graphs:
         speculator._use_depth(speculator.num_speculative_steps)
+    if hasattr(speculator, "record_calibration"):
+        speculator.record_calibration(options.confidence_metrics)
     return options
 
 

@@ -3,8 +3,11 @@ of its own, one after another: no speculation, DSpark with a fixed k (stock vLLM
 ``dspark_*`` option, so the plugin stays inert) and the recommended adaptive configuration
 (:data:`ADAPTIVE_OPTIONS`). Each engine is warmed at every load, then timed over a few
 repeats per load (the median counts); the same requests run in every arm, greedy, so their
-outputs must equal no speculation's. Reading the counters the plugin keeps calls into the
-workers (``VLLM_ALLOW_INSECURE_SERIALIZATION``).
+outputs must equal no speculation's (in bfloat16 up to near ties: :func:`top_two_gaps`).
+After its timed repeats the adaptive engine records the confidence head's calibration over
+one untimed pass (a reader of every verified step would keep ``sps`` from resting while
+timed). Reading the counters the plugin keeps calls into the workers
+(``VLLM_ALLOW_INSECURE_SERIALIZATION``).
 """
 
 from __future__ import annotations
@@ -22,12 +25,7 @@ from vllm_dspark.demo.progress import stage
 
 # The README's recommendation for DSpark with its confidence head ("Which to set"):
 # drafts verified per request chosen for expected tokens per second, verified compacted.
-# The confidence metrics measure the head's calibration and change nothing verified.
-ADAPTIVE_OPTIONS = {
-    "dspark_capacity": "sps",
-    "dspark_varlen_verify": True,
-    "dspark_confidence_metrics": True,
-}
+ADAPTIVE_OPTIONS = {"dspark_capacity": "sps", "dspark_varlen_verify": True}
 # At light load a wave is one request: a repeat runs waves until this many requests, so
 # that it verifies enough drafts for its acceptance (and speed) to be more than one text's.
 MIN_REQUESTS_PER_REPEAT = 8
@@ -63,6 +61,9 @@ class ArmRow:
     per_position_acceptance: list[float] | None = None
     drafts_per_request: float | None = None  # drafts verified per request and step
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # greedy, per request
+    # No speculation: per request and output token, the log-probability gap between the
+    # target's two best tokens (None where an untimed rerun did not reproduce the output).
+    top_two_gaps: list[list[float] | None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -131,19 +132,48 @@ class ArmEngine:
         self.speculating = speculative is not None
         self.llm = LLM(**engine_kwargs(pair_dir, dtype, max_concurrency, speculative))
 
-    def run(self, waves: list[list[list[int]]], max_tokens: int) -> tuple[float, list]:
-        """(seconds, outputs' token ids) of the waves, one after another."""
+    def run(
+        self, waves: list[list[list[int]]], max_tokens: int, logprobs: int | None = None
+    ) -> tuple[float, list]:
+        """(seconds, completions) of the waves, one after another."""
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        seconds, outputs = 0.0, []
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+        )
+        seconds, completions = 0.0, []
         for wave in waves:
             batch = [{"prompt_token_ids": ids} for ids in wave]
             start = time.perf_counter()
             done = self.llm.generate(batch, params, use_tqdm=False)
             seconds += time.perf_counter() - start
-            outputs += [list(out.outputs[0].token_ids) for out in done]
-        return seconds, outputs
+            completions += [out.outputs[0] for out in done]
+        return seconds, completions
+
+    def top_two_gaps(self, waves, max_tokens: int, outputs: list[list[int]]) -> list:
+        """An untimed rerun of the waves with the target's two best tokens per position:
+        per request the gap between their log-probabilities, None where the rerun's tokens
+        are not ``outputs``' (so a gap always describes the compared context)."""
+        _, completions = self.run(waves, max_tokens, logprobs=2)
+        gaps = []
+        for completion, output in zip(completions, outputs, strict=True):
+            if list(completion.token_ids) != output:
+                gaps.append(None)
+                continue
+            best = [sorted(p.values(), key=lambda lp: lp.rank)[:2] for p in completion.logprobs]
+            gaps.append([first.logprob - second.logprob for first, second in best])
+        return gaps
+
+    def calibration(self, pool: list[list[int]], load: int, max_tokens: int) -> dict | None:
+        """The confidence head's calibration (per position, prefix survival) over one
+        untimed pass of the whole pool at ``load``, recorded during that pass only."""
+        from vllm_dspark.bench.engine_control import switch_capacity
+        from vllm_dspark.metrics import confidence_calibration
+
+        options = {key.removeprefix("dspark_"): value for key, value in self.spec.options.items()}
+        switch_capacity(self.llm, **options, confidence_metrics=True)
+        self.run([pool[i : i + load] for i in range(0, len(pool), load)], max_tokens)
+        return confidence_calibration(self.llm)["prefix"]
 
     def counters(self) -> tuple:
         from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts, admission_counts
@@ -151,14 +181,6 @@ class ArmEngine:
         spec = SpecDecodeCounts.from_metrics(self.llm.get_metrics())
         admitted = admission_counts(self.llm) if self.speculating else AdmissionCounts()
         return spec, admitted
-
-    def calibration(self) -> dict | None:
-        from vllm_dspark.metrics import confidence_calibration
-
-        options = self.spec.options or {}
-        if not options.get("dspark_confidence_metrics"):
-            return None
-        return confidence_calibration(self.llm)["prefix"]
 
     def close(self) -> None:
         # The engine runs in its own process; this one never touches CUDA (the next
@@ -196,7 +218,8 @@ def measure_arm(
         before_spec, before_admitted = engine.counters()
         tok_s, outputs = [], []
         for _ in tqdm(range(repeats), desc=f"      {load} concurrent", leave=False):
-            seconds, outputs = engine.run(waves, max_tokens)
+            seconds, completions = engine.run(waves, max_tokens)
+            outputs = [list(completion.token_ids) for completion in completions]
             tok_s.append(sum(map(len, outputs)) / seconds)
         after_spec, after_admitted = engine.counters()
         spec = after_spec - before_spec
@@ -208,7 +231,9 @@ def measure_arm(
             tok_s,
             outputs=outputs,
         )
-        if engine.speculating:
+        if not engine.speculating:
+            row.top_two_gaps = engine.top_two_gaps(waves, max_tokens, outputs)
+        else:
             row.acceptance_length = spec.acceptance_length
             row.per_position_acceptance = spec.per_position_acceptance
             row.drafts_per_request = drafts_per_request(spec, after_admitted - before_admitted)
@@ -240,7 +265,11 @@ def run_arms(
         loads = " and ".join(map(str, concurrency))
         out(f"      measuring at {loads} concurrent requests, {repeats} repeats each")
         rows = measure_arm(engine, pool, concurrency, max_tokens, repeats)
-        results.append(ArmResult(spec, round(start_s, 1), rows, engine.calibration()))
+        calibration = None
+        if spec.key == "adaptive":
+            out("      confidence head's calibration: one untimed pass of every prompt")
+            calibration = engine.calibration(pool, max(concurrency), max_tokens)
+        results.append(ArmResult(spec, round(start_s, 1), rows, calibration))
         engine.close()
     return results
 

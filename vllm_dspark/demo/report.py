@@ -31,6 +31,27 @@ class RunSettings:
     commit: str = field(default_factory=lambda: os.environ.get("DSPARK_COMMIT", "unknown"))
 
 
+# Where an arm's greedy output first differs from no speculation's, a gap this small
+# between no speculation's two best tokens (log-probabilities) is a near tie that bf16
+# cannot resolve: a logit rounds to 2**-8 of itself (0.04 at a logit of 10), and every
+# layer of a verification batch of another shape rounds differently before it.
+NEAR_TIE_LOGPROB = 0.1
+
+
+def divergence_gaps(outputs: list, reference: list, gaps: list | None) -> list[float | None]:
+    """Per request whose output differs from ``reference``: no speculation's gap between
+    its two best tokens at the first token that differs (None: not measured)."""
+    found = []
+    for index, (output, expected) in enumerate(zip(outputs, reference, strict=True)):
+        if output == expected:
+            continue
+        pairs = enumerate(zip(output, expected, strict=False))  # ignore_eos: equal lengths
+        first = next((i for i, (a, b) in pairs if a != b), None)
+        known = gaps is not None and gaps[index] is not None and first is not None
+        found.append(gaps[index][first] if known else None)
+    return found
+
+
 def _ratio(value: float, reference: float | None) -> float | None:
     return value / reference if reference else None
 
@@ -38,16 +59,19 @@ def _ratio(value: float, reference: float | None) -> float | None:
 def compare_rows(rows: list) -> list[dict]:
     """Each arm row (:class:`~vllm_dspark.demo.gpu.ArmRow`) as a dict, with its speed over
     no speculation and over fixed k at the same load, and whether its greedy outputs are
-    no speculation's, request by request (``identical_requests`` of ``requests``)."""
+    no speculation's, request by request (``identical_requests`` of ``requests``), and
+    where not, whether each first differs at a near tie (``divergence_gaps``)."""
     by_load: dict[tuple[str, int], object] = {(row.arm, row.concurrency): row for row in rows}
     compared = []
     # Grouped by load, the arms in their order within it.
     for row in sorted(rows, key=lambda row: row.concurrency):
         nospec = by_load.get(("nospec", row.concurrency))
         fixed = by_load.get(("fixed", row.concurrency))
-        identical = None
+        identical, gaps, near_ties = None, None, None
         if nospec is not None and row.arm != "nospec":
             identical = sum(a == b for a, b in zip(row.outputs, nospec.outputs, strict=True))
+            gaps = divergence_gaps(row.outputs, nospec.outputs, nospec.top_two_gaps)
+            near_ties = all(gap is not None and gap <= NEAR_TIE_LOGPROB for gap in gaps)
         compared.append(
             {
                 "name": row.name,
@@ -60,6 +84,8 @@ def compare_rows(rows: list) -> list[dict]:
                 "greedy_identical": None if identical is None else identical == len(row.outputs),
                 "identical_requests": identical,
                 "requests": len(row.outputs),
+                "divergence_gaps": gaps,
+                "differs_only_at_near_ties": near_ties,
                 "acceptance_length": row.acceptance_length,
                 "drafts_per_request": row.drafts_per_request,
                 "per_position_acceptance": row.per_position_acceptance,
@@ -78,6 +104,8 @@ def _identity(row: dict) -> str:
     if row["identical_requests"] is None:
         return "(reference)"
     verdict = "yes" if row["greedy_identical"] else "NO"
+    if not row["greedy_identical"] and row["differs_only_at_near_ties"]:
+        verdict = "near ties"
     return f"{row['identical_requests']}/{row['requests']} {verdict}"
 
 
@@ -129,8 +157,10 @@ def format_gpu_report(settings: RunSettings, rows: list[dict], results: list, wa
     else:
         notes.append(
             f"{settings.dtype}: verification batches of other shapes round differently, so a "
-            "few requests may differ at near ties of the target's top two tokens; "
-            "--dtype float32 compares exactly."
+            "request may differ where the target's two best tokens nearly tie; 'near ties': "
+            f"each differing request first differs where no speculation's two best tokens "
+            f"were at most {NEAR_TIE_LOGPROB} apart in log-probability"
+            f"{_widest_gap(rows)}. --dtype float32 compares exactly."
         )
     lines += [
         "",
@@ -142,9 +172,13 @@ def format_gpu_report(settings: RunSettings, rows: list[dict], results: list, wa
     return lines
 
 
+def _widest_gap(rows: list[dict]) -> str:
+    gaps = [gap for row in rows for gap in row["divergence_gaps"] or [] if gap is not None]
+    return f" (widest here: {max(gaps):.3f})" if gaps else ""
+
+
 def _options(options: dict) -> str:
-    shown = {key: value for key, value in options.items() if key != "dspark_confidence_metrics"}
-    return ", ".join(f"{key}={str(value).lower()}" for key, value in shown.items())
+    return ", ".join(f"{key}={str(value).lower()}" for key, value in options.items())
 
 
 def format_calibration(name: str, calibration: dict) -> list[str]:
@@ -155,7 +189,8 @@ def format_calibration(name: str, calibration: dict) -> list[str]:
         return f"  {label:<12}" + "".join(f"{_number(v, digits):>7}" for v in values)
 
     return [
-        f"Confidence head, {name} arm (all its steps): survival of drafts 1..k per position",
+        f"Confidence head, {name} arm (an untimed pass of every prompt): survival of drafts "
+        "1..k per position",
         row("position", positions, 0),
         row("predicted", calibration["mean_predicted"]),
         row("observed", calibration["mean_observed"]),
