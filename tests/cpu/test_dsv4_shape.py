@@ -1,0 +1,235 @@
+"""The DeepSeek-V4 shapes (benchmarks/shapes.py): config folders vLLM 0.26.0 reads as a
+DeepSeek-V4 target whose DSpark module comes from the same config, and whose weights vLLM
+allocates as ``deepseek_v4_weight_bytes`` counts them.
+
+vLLM's model classes are built on the meta device in a fresh process (run as a script,
+this file is that probe): the model needs a process group, and its constructors reach for
+CUDA streams, the GPU's compute capability and kernel choices. The probe stands in for
+those four (as on an H100: compute capability 9.0, Marlin for the MXFP4 experts), so the
+modules and their parameters are vLLM's own, only allocated nowhere."""
+
+import json
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parents[2] / "benchmarks")]
+
+from shapes import (  # noqa: E402
+    DSPARK_LAYERS,
+    DSV4,
+    DSV4_FLASH,
+    deepseek_v4_config,
+    deepseek_v4_weight_bytes,
+    write_deepseek_v4_shape,
+)
+
+NUM_DRAFTS = 5  # the DSpark module's block: vLLM refuses fewer drafts
+# The -0731 checkpoint's safetensors (target and DSpark module), from its index's
+# total_size (docs/design/deepseek-v4.md).
+FLASH_0731_CHECKPOINT_BYTES = 166_878_536_440
+
+
+def test_flash_values_are_the_published_config():
+    published = dict(
+        vocab_size=129280,
+        hidden_size=4096,
+        num_hidden_layers=43,
+        num_attention_heads=64,
+        head_dim=512,
+        q_lora_rank=1024,
+        o_lora_rank=1024,
+        o_groups=8,
+        n_routed_experts=256,
+        num_experts_per_tok=6,
+        moe_intermediate_size=2048,
+        index_topk=512,
+        hc_mult=4,
+        num_hash_layers=3,
+        dspark_block_size=5,
+        dspark_target_layer_ids=[40, 41, 42],
+    )
+    assert {key: DSV4_FLASH[key] for key in published} == published
+    ratios = DSV4_FLASH["compress_ratios"]
+    assert len(ratios) == 43 + DSPARK_LAYERS and ratios[43:] == [0] * DSPARK_LAYERS
+    assert ratios[:2] == [0, 0] and set(ratios[2:43]) == {4, 128}
+
+
+def test_weight_count_matches_the_published_checkpoint():
+    """The count, run on the full model, comes within 0.1% of the checkpoint's bytes."""
+    total = sum(deepseek_v4_weight_bytes(DSV4_FLASH).values())
+    assert abs(total - FLASH_0731_CHECKPOINT_BYTES) < 1e-3 * FLASH_0731_CHECKPOINT_BYTES
+
+
+@pytest.mark.parametrize("shape", sorted(DSV4))
+def test_shape_config_is_consistent(shape):
+    config = deepseek_v4_config(shape)
+    layers = config["num_hidden_layers"]
+    assert len(config["compress_ratios"]) == layers + DSPARK_LAYERS
+    assert set(config["compress_ratios"]) <= {0, 4, 128}
+    assert all(0 <= i < layers for i in config["dspark_target_layer_ids"])
+    assert config["dspark_noise_token_id"] < config["vocab_size"]
+    assert config["num_experts_per_tok"] <= config["n_routed_experts"]
+    assert config["num_hash_layers"] < layers
+
+
+def test_reduced_shape_keeps_every_layer_and_fits_one_gpu():
+    reduced = deepseek_v4_config("dsv4-flash-reduced")
+    assert {k: v for k, v in reduced.items() if k != "n_routed_experts"} == {
+        k: v for k, v in DSV4_FLASH.items() if k != "n_routed_experts"
+    }
+    assert reduced["n_routed_experts"] == 64
+    assert sum(deepseek_v4_weight_bytes(reduced).values()) <= 60e9
+
+
+@pytest.fixture(scope="module")
+def probed() -> dict:
+    from subprocess_probe import run_probe
+
+    return run_probe(Path(__file__), *sorted(DSV4), timeout=1200)
+
+
+@pytest.mark.parametrize("shape", sorted(DSV4))
+def test_vllm_builds_the_target_with_its_dspark_module(shape, probed):
+    config = deepseek_v4_config(shape)
+    found = probed[shape]
+    assert found["architectures"] == ["DeepseekV4ForCausalLM"]
+    assert found["quantization"] == "deepseek_v4_fp8"
+    assert found["draft_architectures"] == ["DSparkDraftModel"]
+    assert found["draft_model_is_target"] and found["num_speculative_tokens"] == NUM_DRAFTS
+    assert found["dspark_target_layer_ids"] == config["dspark_target_layer_ids"]
+    assert found["routed_experts"] == config["n_routed_experts"]
+    layers = config["num_hidden_layers"]
+    ratios = config["compress_ratios"]
+    assert found["target_layers"] == [
+        {
+            "compressor": ratios[i] > 1,
+            "indexer": ratios[i] == 4,
+            "hash_routed": i < config["num_hash_layers"],
+        }
+        for i in range(layers)
+    ]
+    # The drafter's layers follow the target's and run a sliding window only.
+    plain = {"compressor": False, "indexer": False, "hash_routed": False}
+    assert found["draft_layers"] == [plain] * DSPARK_LAYERS
+    assert found["draft_shares_embedding"]
+
+
+@pytest.mark.parametrize("shape", sorted(DSV4))
+def test_weight_count_is_what_vllm_allocates(shape, probed):
+    assert probed[shape]["weight_bytes"] == deepseek_v4_weight_bytes(deepseek_v4_config(shape))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _layer_kinds(layers) -> list[dict]:
+    return [
+        {
+            "compressor": layer.attn.compressor is not None,
+            "indexer": layer.attn.indexer is not None,
+            "hash_routed": layer.ffn.gate.tid2eid is not None,
+        }
+        for layer in layers
+    ]
+
+
+def _probe(shapes: list[str]) -> dict:
+    """Build each shape's engine config with DSpark and its target and drafter on the meta
+    device; report what vLLM resolved and the bytes of their parameters."""
+    from vllm_cpu import select_cpu_platform
+
+    select_cpu_platform()
+    import torch
+    import vllm.config.vllm as vllm_config_module
+
+    vllm_config_module.HAS_TRITON = True  # DSpark's V2 runner checks for it; no kernel runs
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.quantization import fp8, mxfp4
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    class NoStream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    torch.cuda.Stream = torch.cuda.Event = NoStream
+    current_platform.get_device_capability = lambda device_id=0: DeviceCapability(9, 0)
+    fp8.init_fp8_linear_kernel = lambda **kwargs: None  # chosen per GPU, after the weights
+    mxfp4.select_deepseek_v4_mxfp4_moe_backend = lambda moe: (Mxfp4MoeBackend.MARLIN, None)
+
+    root = Path(tempfile.mkdtemp())
+    report = {}
+    for index, shape in enumerate(shapes):
+        folder = write_deepseek_v4_shape(shape, root)
+        config = EngineArgs(
+            model=folder,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            kv_cache_dtype="fp8",
+            block_size=256,
+            speculative_config={"method": "dspark", "num_speculative_tokens": NUM_DRAFTS},
+        ).create_engine_config()
+        with set_current_vllm_config(config):
+            if index == 0:
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                    backend="gloo",
+                )
+                initialize_model_parallel(1, 1)
+            from vllm.models.deepseek_v4 import (
+                DeepseekV4ForCausalLM,
+                DSparkDeepseekV4ForCausalLM,
+            )
+
+            with set_default_torch_dtype(config.model_config.dtype), torch.device("meta"):
+                target = DeepseekV4ForCausalLM(vllm_config=config, prefix="")
+                draft = DSparkDeepseekV4ForCausalLM(vllm_config=config, prefix="")
+
+        def size(module, skip=()):
+            return sum(
+                p.numel() * p.element_size()
+                for name, p in module.named_parameters()
+                if name not in skip
+            )
+
+        shared = ("model.embed_tokens.weight", "lm_head.weight")
+        embedding = size(target) - size(target, skip=shared)
+        spec = config.speculative_config
+        report[shape] = {
+            "architectures": config.model_config.architectures,
+            "quantization": config.model_config.quantization,
+            "draft_architectures": spec.draft_model_config.architectures,
+            "draft_model_is_target": spec.model == folder,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "dspark_target_layer_ids": list(draft.model.target_layer_ids),
+            "routed_experts": target.model.layers[0].ffn.n_routed_experts,
+            "target_layers": _layer_kinds(target.model.layers),
+            "draft_layers": _layer_kinds(draft.model.layers),
+            "draft_shares_embedding": not DSparkDeepseekV4ForCausalLM.has_own_embed_tokens
+            and not DSparkDeepseekV4ForCausalLM.has_own_lm_head,
+            "weight_bytes": {
+                "embedding": embedding,
+                "target_layers": size(target) - embedding,
+                "dspark": size(draft, skip=shared),
+            },
+        }
+    return report
+
+
+if __name__ == "__main__":
+    print("PROBE " + json.dumps(_probe(sys.argv[1:])), flush=True)
