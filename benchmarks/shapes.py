@@ -242,7 +242,10 @@ def deepseek_v4_weight_bytes(config: dict) -> dict[str, int]:
             size += fp8_linear(index_heads * index_head, q_rank) + 2 * index_heads * hidden
             size += compressor(4, index_head)
         size += 2 * experts * hidden  # router
-        size += 4 * vocab * config["num_experts_per_tok"] if hash_routed else 4 * experts
+        if hash_routed:
+            size += 4 * vocab * config["num_experts_per_tok"]  # token-to-expert table
+        elif config.get("topk_method") == "noaux_tc":
+            size += 4 * experts  # selection bias
         shared = expert_ffn * config["n_shared_experts"]
         size += fp8_linear(2 * shared, hidden) + fp8_linear(hidden, shared)
         size += experts * 3 * expert_ffn * hidden * 17 // 32  # MXFP4 weights and scales

@@ -9,6 +9,7 @@ those four (as on an H100: compute capability 9.0, Marlin for the MXFP4 experts)
 modules and their parameters are vLLM's own, only allocated nowhere."""
 
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -109,18 +110,66 @@ def test_vllm_builds_the_target_with_its_dspark_module(shape, probed):
             "compressor": ratios[i] > 1,
             "indexer": ratios[i] == 4,
             "hash_routed": i < config["num_hash_layers"],
+            "selection_bias": i >= config["num_hash_layers"],
         }
         for i in range(layers)
     ]
     # The drafter's layers follow the target's and run a sliding window only.
-    plain = {"compressor": False, "indexer": False, "hash_routed": False}
+    plain = {"compressor": False, "indexer": False, "hash_routed": False, "selection_bias": True}
     assert found["draft_layers"] == [plain] * DSPARK_LAYERS
     assert found["draft_shares_embedding"]
+
+
+def test_routing_simulation_replaces_every_router(probed):
+    last = sorted(DSV4)[-1]
+    layers = deepseek_v4_config(last)["num_hidden_layers"]
+    assert probed["simulated_routers"] == ["RoutingSimulatorRouter"] * layers
 
 
 @pytest.mark.parametrize("shape", sorted(DSV4))
 def test_weight_count_is_what_vllm_allocates(shape, probed):
     assert probed[shape]["weight_bytes"] == deepseek_v4_weight_bytes(deepseek_v4_config(shape))
+
+
+def test_dummy_weights_route_every_token_alike_unless_routing_is_simulated():
+    """vLLM's dummy weights draw the router's weights and its selection bias alike from
+    +-1e-3; the router's input, an RMS norm with dummy weights, is as small, so scores
+    differ between tokens far less than the bias between experts, and DeepSeek-V4's
+    router (vLLM's reference of it) sends a whole batch to the bias's top experts. vLLM's
+    routing simulation, which the dummy shapes are timed with, spreads a batch over the
+    experts as balanced routing would."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router import (
+        _topk_softplus_sqrt_torch,
+    )
+    from vllm.model_executor.layers.fused_moe.router.routing_simulator_router import (
+        RoutingSimulator,
+    )
+
+    config = deepseek_v4_config("dsv4-flash-reduced")
+    experts, top_k, hidden = (
+        config["n_routed_experts"],
+        config["num_experts_per_tok"],
+        config["hidden_size"],
+    )
+    tokens = 128
+    generator = torch.Generator().manual_seed(0)
+
+    def dummy(*shape):
+        return torch.rand(*shape, generator=generator) * 2e-3 - 1e-3
+
+    router_input = torch.randn(tokens, hidden, generator=generator) * dummy(hidden)
+    logits = router_input @ dummy(experts, hidden).T
+    weights = torch.empty(tokens, top_k)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    _topk_softplus_sqrt_torch(
+        weights, ids, torch.empty_like(ids), logits, True, e_score_correction_bias=dummy(experts)
+    )
+    assert ids.unique().numel() <= 2 * top_k
+    _, simulated = RoutingSimulator.simulate_routing(
+        router_input, logits, "uniform_random", top_k, torch.int64
+    )
+    assert simulated.unique().numel() >= 0.9 * experts
 
 
 def _free_port() -> int:
@@ -135,6 +184,7 @@ def _layer_kinds(layers) -> list[dict]:
             "compressor": layer.attn.compressor is not None,
             "indexer": layer.attn.indexer is not None,
             "hash_routed": layer.ffn.gate.tid2eid is not None,
+            "selection_bias": layer.ffn.gate.e_score_correction_bias is not None,
         }
         for layer in layers
     ]
@@ -228,6 +278,21 @@ def _probe(shapes: list[str]) -> dict:
                 "dspark": size(draft, skip=shared),
             },
         }
+    # The routing a timed run of a dummy shape asks for (docs/design/deepseek-v4.md).
+    os.environ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = "uniform_random"
+    config = EngineArgs(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=4096,
+        kv_cache_dtype="fp8",
+        block_size=256,
+    ).create_engine_config()
+    with set_current_vllm_config(config), torch.device("meta"):
+        simulated = DeepseekV4ForCausalLM(vllm_config=config, prefix="")
+    report["simulated_routers"] = [
+        type(layer.ffn.experts.router).__name__ for layer in simulated.model.layers
+    ]
     return report
 
 
