@@ -204,9 +204,10 @@ def deepseek_v4_weight_bytes(config: dict) -> dict[str, int]:
     """Bytes of the weights vLLM 0.26.0 allocates for a DeepSeek-V4 config on one GPU
     (before a MoE backend repacks its experts): ``embedding`` (the embedding and LM head,
     which the drafter shares), ``target_layers`` (the rest of the target) and ``dspark``
-    (the drafter's own layers and heads). Linears are FP8 with a one-byte scale per
-    128x128 block, routed experts MXFP4 (half a byte a weight, a byte per 32), the
-    compressors, gates and embeddings bfloat16, the mHC mixers float32."""
+    (the drafter's own layers and heads). Linears are FP8 with a one-byte (e8m0) scale
+    per 128x128 block, as with FP4 experts; routed experts MXFP4 (half a byte a weight, a
+    byte per 32); the compressors, routers and embeddings bfloat16; the mHC mixers
+    float32."""
     hidden, hc = config["hidden_size"], config["hc_mult"]
     q_rank, head, heads = config["q_lora_rank"], config["head_dim"], config["num_attention_heads"]
     groups, o_rank = config["o_groups"], config["o_lora_rank"]
