@@ -16,11 +16,12 @@ What equality is asserted: the model runs in its config's bfloat16 with block-sc
 linears (not float32: its weights are FP8), and a speculative step runs the target over 8
 rows a request where no speculation runs one, so its GEMMs and attention round
 differently; a greedy choice between two logits closer than that noise may flip. So an
-output that differs must first do so where no speculation's top-two logprob gap is a
-near tie, at or below the ``TIE_PERCENTILE`` percentile of all its gaps (the scale of
-dummy logits is not known ahead, so the threshold is read from them), and at most
-``MAX_DIVERGING`` of the prompts may differ; a misplaced, unverified or wrongly accepted
-row derails at a gap of any size.
+output that differs must first do so where no speculation's top-two logit gap is a near
+tie, at or below the ``TIE_PERCENTILE`` percentile of all its gaps (the scale of dummy
+logits is not known ahead, so the threshold is read from them; no speculation returns
+raw logits, since float32 log-probabilities of a near-uniform distribution, near -8.3,
+resolve no gap below 1e-6), and at most ``MAX_DIVERGING`` of the prompts may differ; a
+misplaced, unverified or wrongly accepted row derails at a gap of any size.
 
 Dummy weights could make that comparison empty (vLLM's dummy loader leaves the MXFP4
 experts zero and draws every other weight from +-1e-3): the test first checks that no
@@ -76,13 +77,13 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def run(folder: str, options: dict | None, **probe) -> dict:
+def run(folder: str, options: dict | None, engine: dict = DSV4_ENGINE, **probe) -> dict:
     return run_dummy(
         folder,
         None,
         options,
         dtype="bfloat16",
-        engine=DSV4_ENGINE,
+        engine=engine,
         max_num_seqs=MAX_NUM_SEQS,
         prompts=prompts(),
         max_tokens=MAX_TOKENS,
@@ -92,8 +93,8 @@ def run(folder: str, options: dict | None, **probe) -> dict:
 
 def output_spread(nospec: dict) -> dict:
     """What shows that no speculation's outputs can tell a wrong token from a right one:
-    their distinct tokens and outputs, and their top-two logprob gaps (``tie_gap``: the
-    gap a divergence may start at)."""
+    their distinct tokens and outputs, and their top-two logit gaps (``tie_gap``: the gap
+    a divergence may start at)."""
     outputs = nospec["token_ids"]
     gaps = [gap for margins in nospec["margins"] for gap in margins]
     finite = all(map(math.isfinite, gaps))
@@ -129,7 +130,8 @@ def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder):
             "sampling": "greedy",
         },
     }
-    nospec = run(dsv4_folder, None, margins=True)
+    raw_logits = DSV4_ENGINE | {"logprobs_mode": "raw_logits"}  # margins: logit gaps
+    nospec = run(dsv4_folder, None, engine=raw_logits, margins=True)
     record["nospec"] = output_spread(nospec)
 
     def save(results: dict) -> None:
