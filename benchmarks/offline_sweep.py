@@ -16,6 +16,18 @@ conditional rates and accepts each draft with its confidence
 (``dspark_synthetic_confidence``: what capacity control needs; DFlash arms, which have
 no confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pair with
 real verification (DSpark arms only), on windows of its held-out text (``--prompts``).
+``--pair dsv4-flash-reduced`` (or ``tiny-dsv4``) is a DeepSeek-V4 shape with dummy weights,
+served as vLLM 0.26.0 serves DeepSeek-V4 (``DSV4_ENGINE``; docs/design/deepseek-v4.md): its
+DSpark module is the target checkpoint's own (no "model" in the speculative config), and
+its capacity arms are the ``-masked`` ones (its attention backends refuse compact
+verification). Each row says how the arm verifies (``verify``: :func:`verification`).
+``--greedy-check``: after an arm's timed rows, the first wave of each concurrency once
+more, untimed, its drafts accepted as the target's greedy choice (calibrated synthetic
+confidence switched off around it, :func:`accept_by_target`); each row's
+``greedy_identical`` then says whether its outputs were no speculation's (None: not
+checked, vLLM's synthetic rates, which a running engine cannot switch off, or no
+``nospec`` arm in the run), ``greedy_divergences`` [request, first differing position]
+for the requests whose outputs were not.
 ``--shared-engine`` runs capacity arms that differ only in what a running engine can
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
@@ -64,7 +76,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from shapes import SHAPES, write_shape
+from shapes import DSV4, SHAPES, write_deepseek_v4_shape, write_shape
 
 # The acceptance profile measured alongside the stock baseline in shared/device/README.md.
 DEFAULT_RATES = "0.8,0.62,0.48,0.37,0.28,0.21,0.16"
@@ -99,6 +111,9 @@ LEAN_DRAFTING = {
 }
 # DSpark's lean drafting adds the Markov head in FP8 too (DFlash has none).
 LEAN_DSPARK = LEAN_DRAFTING | {"dspark_fp8_markov_head": True}
+# The engine arguments vLLM 0.26.0 serves a DeepSeek-V4 shape with
+# (docs/design/deepseek-v4.md): an FP8 KV cache in blocks of 256 tokens.
+DSV4_ENGINE = {"kv_cache_dtype": "fp8", "block_size": 256}
 
 ARMS = {
     "nospec": None,
@@ -167,6 +182,11 @@ ARMS = {
         "dspark_gate_objective": "batch",
     },
     "acceptance": {"dspark_capacity": "acceptance", "dspark_varlen_verify": True},
+    # sps and acceptance verified masked (the target runs every draft; those not admitted
+    # are not verified): where the target's attention backends refuse compact
+    # verification, as DeepSeek-V4's do.
+    "sps-masked": {"dspark_capacity": "sps", "dspark_varlen_verify": False},
+    "acceptance-masked": {"dspark_capacity": "acceptance", "dspark_varlen_verify": False},
     # DFlash (no confidence head): fixed depth, and the acceptance-length controller.
     "dflash": {"method": "dflash"},
     # ... fixed depth, drafting as cheaply as the plugin can: what the cuts alone bring,
@@ -318,14 +338,18 @@ def conditional_rates(unconditional: list[float]) -> list[float]:
 
 def speculative_config(spec: dict) -> dict | None:
     """The arm's speculative config: its options on K drafts of its method's drafter, with
-    synthetic acceptance on dummy weights (None: no speculation)."""
+    synthetic acceptance on dummy weights (None: no speculation). A drafter of None (a
+    DeepSeek-V4 shape) names no model: vLLM then takes the DSpark module from the target's
+    checkpoint."""
     if spec["options"] is None:
         return None
     options = dict(spec["options"])
     method = options.pop("method", "dspark")
     draft = spec["draft"] if method == "dspark" else spec["dflash"]
     num_drafts = spec["num_drafts"]
-    speculative = {"method": method, "model": draft, "num_speculative_tokens": num_drafts}
+    speculative = {"method": method, "num_speculative_tokens": num_drafts}
+    if draft is not None:
+        speculative["model"] = draft
     if spec["dummy"]:
         rates = [float(r) for r in spec["rates"].split(",")][:num_drafts]
         if spec["acceptance"] == "confidence" and method == "dspark":
@@ -347,24 +371,25 @@ class Engine:
 
         self.spec = spec
         speculative = speculative_config(spec)
+        self.speculative = speculative
         self.speculating = speculative is not None
         if self.speculating:
             # admission_counts_per_rank() reads the speculators' counters in the workers.
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         started = time.monotonic()  # not perf_counter: the tests' fake clock times batches
-        self.llm = LLM(
-            **engine_kwargs(
-                spec["target"],
-                spec["dummy"],
-                spec.get("graphs_to"),
-                spec.get("tensor_parallel_size", 1),
-                spec.get("max_num_batched_tokens"),
-                spec.get("max_num_seqs", 256),
-                spec.get("gpu_memory_utilization", 0.85),
-                spec.get("kv_cache_memory_bytes"),
-            ),
-            speculative_config=speculative,
+        kwargs = engine_kwargs(
+            spec["target"],
+            spec["dummy"],
+            spec.get("graphs_to"),
+            spec.get("tensor_parallel_size", 1),
+            spec.get("max_num_batched_tokens"),
+            spec.get("max_num_seqs", 256),
+            spec.get("gpu_memory_utilization", 0.85),
+            spec.get("kv_cache_memory_bytes"),
         )
+        # What the pair needs beyond (DSV4_ENGINE for a DeepSeek-V4 shape).
+        kwargs |= spec.get("engine") or {}
+        self.llm = LLM(**kwargs, speculative_config=speculative)
         self.engine_start_s = round(time.monotonic() - started, 1)
         self.params = SamplingParams(
             temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True
@@ -489,6 +514,56 @@ class Engine:
             row["gate"] = gate
         return row
 
+    def greedy_outputs(self, concurrency: int) -> list[list[int]] | None:
+        """--greedy-check: the first repeat's first wave at ``concurrency`` once more,
+        untimed, its drafts accepted as the target's greedy choice (calibrated synthetic
+        confidence, which accepts a draft by a draw, switched off around it: capacity
+        control still decides what is verified); each request's token ids. None under
+        vLLM's synthetic rates, which a running engine cannot switch off."""
+        speculative = self.speculative or {}
+        if speculative.get("rejection_sample_method") == "synthetic":
+            return None
+        synthetic = "dspark_synthetic_confidence" in speculative
+        per_wave, _ = self.per_wave(concurrency)
+        offset = concurrency  # repeat 0, wave 0
+        if synthetic:
+            accept_by_target(self.llm, True)
+        outputs = self.llm.generate(
+            self.prompts(per_wave, offset),
+            seeded_params(self.spec["output_len"], per_wave, offset),
+            use_tqdm=False,
+        )
+        if synthetic:
+            accept_by_target(self.llm, False)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def _worker_accept_by_target(worker, target: bool) -> bool:
+    """Runs in the worker: verification accepts drafts as vLLM's rejection sampler does
+    (``target``: greedy, the target's argmax) or, again, by the speculator's calibrated
+    synthetic confidences (:mod:`vllm_dspark.bench.synthetic_acceptance`). False where the
+    speculator draws none (nothing to switch)."""
+    from vllm_dspark.bench import synthetic_acceptance
+    from vllm_dspark.patches.wrapping import original
+
+    speculator = worker.model_runner.speculator
+    if getattr(speculator, "synthetic", None) is None:
+        return False
+    sampler = sys.modules[synthetic_acceptance.SAMPLER_MODULE]
+    if target:
+        sampler.rejection_sample = original(sampler, "rejection_sample")
+    else:
+        synthetic_acceptance.apply(speculator)
+    return True
+
+
+def accept_by_target(llm, target: bool) -> None:
+    """Every rank's verification accepts drafts as the target chooses (``target``) or by
+    the calibrated synthetic confidences (:func:`_worker_accept_by_target`); refuses an
+    engine that draws none."""
+    if not all(llm.collective_rpc(_worker_accept_by_target, args=(target,))):
+        raise RuntimeError("accept_by_target: the engine draws no synthetic confidences")
+
 
 def run_arm_here(spec: dict) -> None:
     """In the arm's own process: one engine, every concurrency, one JSON line each."""
@@ -500,11 +575,13 @@ def run_arm_here(spec: dict) -> None:
     switch = spec.get("switch") or [[None, None]]
     mirrored = len({name for name, _ in switch}) < len(switch)
     passes: collections.Counter = collections.Counter()
+    printed = 0  # rows so far: a GREEDY line names its row by this count
     for name, updates in switch:
         passes[name] += 1
         if updates is not None:
             switch_capacity(engine.llm, **updates)
             engine.llm.generate(engine.prompts(8, 1), engine.params, use_tqdm=False)
+        first_row = printed
         for concurrency in spec["concurrency"]:
             measuring = time.monotonic()
             before = engine.begin(concurrency)
@@ -514,6 +591,15 @@ def run_arm_here(spec: dict) -> None:
             if mirrored:
                 row["pass"] = passes[name]
             print("ROW " + json.dumps(row | ({"arm": name} if name else {})), flush=True)
+            printed += 1
+        if spec.get("greedy_check"):
+            # After the arm's every row: a controller that learns from acceptance would
+            # carry the check's into the next concurrency's measurement.
+            for index, concurrency in enumerate(spec["concurrency"], first_row):
+                token_ids = engine.greedy_outputs(concurrency)
+                if token_ids is not None:
+                    check = {"row": index, "token_ids": token_ids}
+                    print("GREEDY " + json.dumps(check), flush=True)
 
 
 def run_lockstep_here(spec: dict) -> None:
@@ -602,8 +688,15 @@ def timeline_summary(steps: list[list[float]], requests: int) -> dict:
 def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, list]:
     """Start-up options that prepare every capacity arm of one engine (compaction, depth
     graphs, the SPS profile, their common :func:`startup_options`) and, per arm, the
-    options switched to (``dspark_`` prefix dropped)."""
+    options switched to (``dspark_`` prefix dropped). Masked arms without compact ones
+    start masked (a target whose attention refuses compact verification, DeepSeek-V4's,
+    would refuse the engine), with depth graphs only where one of them drafts by depth."""
     start = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True}
+    verifies = {verification(ARMS[arm]) for arm in arms}
+    if "masked" in verifies and "compact" not in verifies:
+        start = {"dspark_capacity": "sps", "dspark_varlen_verify": False}
+        if any(ARMS[arm].get("dspark_dynamic_depth") for arm in arms):
+            start["dspark_dynamic_depth"] = True
     if ARMS[arms[0]].get("method") == "dflash":
         start["dspark_capacity"] = "acceptance"
     start |= startup_options(arms[0])
@@ -625,6 +718,17 @@ def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, li
             updates["sps_curve"] = sps_curve
         switch.append([arm, updates])
     return start, switch
+
+
+def verification(options: dict | None) -> str:
+    """How an arm with these options verifies its drafts (a row's ``verify``): "compact"
+    (a capacity mode with dspark_varlen_verify: only the admitted drafts run), "masked" (a
+    capacity mode without: the target runs every draft, those not admitted are not
+    verified), "none" (no capacity control: no speculation, or every draft verified as
+    stock vLLM verifies them)."""
+    if not options or options.get("dspark_capacity", "off") == "off":
+        return "none"
+    return "compact" if options.get("dspark_varlen_verify") else "masked"
 
 
 def startup_options(arm: str) -> dict:
@@ -659,6 +763,21 @@ def engine_runs(arms: list[str], shared_engine: bool, sps_curve: str | None) -> 
     return runs
 
 
+def check_deepseek_v4_arms(parser: argparse.ArgumentParser, arms: list[str]) -> None:
+    """A DeepSeek-V4 shape drafts with its DSpark module only, and its attention backends
+    refuse compact verification: the -masked capacity arms, not the compact ones."""
+    refused = [
+        arm
+        for arm in arms
+        if verification(ARMS[arm]) == "compact" or (ARMS[arm] or {}).get("method") == "dflash"
+    ]
+    if refused:
+        parser.error(
+            f"DeepSeek-V4 shapes run DSpark verified masked (compact verification is refused "
+            f"on their attention backends: the -masked arms); not {', '.join(refused)}"
+        )
+
+
 def check_num_drafts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--num-drafts other than 7 needs a dummy shape (a drafter written for that block), a
     rate per draft, and no arm whose options assume K = 7."""
@@ -677,7 +796,7 @@ def check_num_drafts(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", default="embedded", choices=["embedded", *SHAPES])
+    parser.add_argument("--pair", default="embedded", choices=["embedded", *SHAPES, *DSV4])
     parser.add_argument("--arms", default="nospec,dspark")
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -762,6 +881,13 @@ def main() -> int:
         help="--lockstep: each engine's KV cache, fixed, since the engines start at once "
         "(the embedded pair keeps 4 KiB a token: 2 GiB hold 512k)",
     )
+    parser.add_argument(
+        "--greedy-check",
+        action="store_true",
+        help="after each arm's rows, the first wave of every concurrency once more, "
+        "untimed, drafts accepted as the target's greedy choice: rows then say whether "
+        "their outputs were no speculation's (greedy_identical; needs the nospec arm)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arm-spec", help=argparse.SUPPRESS)  # the per-arm subprocess
     args = parser.parse_args()
@@ -769,25 +895,31 @@ def main() -> int:
         spec = json.loads(args.arm_spec)
         (run_lockstep_here if spec.get("lockstep") else run_arm_here)(spec)
         return 0
-    if args.lockstep and (args.shared_engine or args.mirror or args.bracket):
+    if args.lockstep and (args.shared_engine or args.mirror or args.bracket or args.greedy_check):
         parser.error(
             "--lockstep: every arm has an engine of its own, all measured in turn "
-            "(no --shared-engine, --mirror or --bracket)"
+            "(no --shared-engine, --mirror, --bracket or --greedy-check)"
         )
 
     check_num_drafts(parser, args)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if args.refill and len(concurrencies) != 1:
         parser.error("--refill: one concurrency (it is the engines' max_num_seqs)")
+    arms = args.arms.split(",")
+    if args.pair in DSV4:
+        check_deepseek_v4_arms(parser, arms)
     if args.pair == "embedded":
         from vllm_dspark.demo import EMBEDDED_PAIR
 
         paths = {name: str(EMBEDDED_PAIR / name) for name in ("target", "draft")}
         paths["dflash"] = None  # the embedded pair has no DFlash drafter
+    elif args.pair in DSV4:
+        # One folder: the target, whose checkpoint holds its DSpark module (no DFlash).
+        target = write_deepseek_v4_shape(args.pair, Path(tempfile.mkdtemp()))
+        paths = {"target": target, "draft": None, "dflash": None}
     else:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()), block=args.num_drafts)
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
-    arms = args.arms.split(",")
     runs = engine_runs(arms, args.shared_engine, curve)
     if args.mirror:
         runs = [[label, start, switch and switch + switch[::-1]] for label, start, switch in runs]
@@ -798,6 +930,7 @@ def main() -> int:
     # this process now records as they come.
     device_name()
     rows, failed, engines = [], {}, []
+    checks: dict[int, list[list[int]]] = {}  # --greedy-check's outputs by row
     copies: collections.Counter = collections.Counter()
     for position, (label, options, switch) in enumerate(runs):
         bracket = {}
@@ -822,10 +955,13 @@ def main() -> int:
             "prompts": args.prompts or ("heldout" if args.pair == "embedded" else "arithmetic"),
             "tensor_parallel_size": args.tensor_parallel_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "engine": DSV4_ENGINE if args.pair in DSV4 else {},
+            "greedy_check": args.greedy_check,
         }
         if args.refill:
             spec |= {"refill": args.refill, "max_num_seqs": concurrencies[0]}
-        context = {"setup": setup, "arm": label, **({"engine": label} if switch else {}), **bracket}
+        context = {"setup": setup, "shape": args.pair, "arm": label}
+        context |= {**({"engine": label} if switch else {}), **bracket}
         if args.lockstep:
             # An arm named twice runs twice, side by side: how far two engines of one arm
             # differ is the noise floor of the others' differences.
@@ -837,7 +973,8 @@ def main() -> int:
             engines.append((context, spec))
             continue
         keep = functools.partial(keep_row, rows, failed, args.out, context)
-        returncode, errors = run_engine(spec, args.out, keep)
+        check = functools.partial(keep_greedy_check, rows, checks, failed, args.out, len(rows))
+        returncode, errors = run_engine(spec, args.out, keep, check)
         if returncode != 0:
             # The other arms still run: one arm failing to start must not cost the rest.
             print(errors, file=sys.stderr)
@@ -849,16 +986,71 @@ def main() -> int:
 
 
 def keep_row(rows: list[dict], failed: dict, out: Path, context: dict, row: dict) -> None:
-    """Add an engine's row (its own arm name, in a shared engine, over the label's) and
+    """Add an engine's row (its own arm name, in a shared engine, over the label's), with
+    how its arm verifies and (until --greedy-check's outputs come) no greedy verdict, and
     rewrite the record."""
     rows.append(context | row)
+    rows[-1] |= {"verify": verification(ARMS[rows[-1]["arm"]]), "greedy_identical": None}
     print(json.dumps(rows[-1]), flush=True)
     write_record(out, rows, failed)
 
 
-def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
+def keep_greedy_check(
+    rows: list[dict],
+    checks: dict,
+    failed: dict,
+    out: Path,
+    first_row: int,
+    check: dict,
+) -> None:
+    """An engine's --greedy-check outputs for its row ``check["row"]`` (counted from the
+    engine's first, ``first_row`` of the sweep): every checked row compared again
+    (:func:`compare_greedy`), the record rewritten."""
+    index = first_row + check["row"]
+    checks[index] = check["token_ids"]
+    compare_greedy(rows, checks)
+    row = rows[index]
+    if row["greedy_identical"] is not None:
+        identical, requests = row["greedy_identical_requests"], len(checks[index])
+        print(f"greedy: {row['arm']} at {row['concurrency']}: {identical} of {requests} identical")
+    write_record(out, rows, failed)
+
+
+def compare_greedy(rows: list[dict], checks: dict[int, list[list[int]]]) -> None:
+    """Each checked row's outputs against those of the first checked ``nospec`` row of its
+    concurrency (the same prompts): ``greedy_identical``, the requests whose outputs were
+    identical, and [request, first differing position] of the others."""
+    reference = {}
+    for index in sorted(checks):
+        if rows[index]["arm"] == "nospec":
+            reference.setdefault(rows[index]["concurrency"], checks[index])
+    for index, outputs in checks.items():
+        theirs = reference.get(rows[index]["concurrency"])
+        if theirs is None:
+            continue
+        differing = [
+            [request, first_difference(mine, their)]
+            for request, (mine, their) in enumerate(zip(outputs, theirs, strict=True))
+            if mine != their
+        ]
+        rows[index] |= {
+            "greedy_identical": not differing,
+            "greedy_identical_requests": len(outputs) - len(differing),
+            "greedy_divergences": differing,
+        }
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Where two token sequences first differ (the shorter's length if one continues the
+    other)."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def run_engine(spec: dict, out: Path, keep, check=None) -> tuple[int, str]:
     """One engine in a process of its own; each row goes to ``keep`` as soon as the engine
-    prints it. Returns the exit code and :func:`failure_excerpt` of the engine's stderr."""
+    prints it, each --greedy-check result to ``check``. Returns the exit code and
+    :func:`failure_excerpt` of the engine's stderr."""
     # stderr to a file: vLLM logs more than a pipe holds while stdout is being read.
     with tempfile.TemporaryFile(mode="w+") as errors:
         with subprocess.Popen(
@@ -867,6 +1059,8 @@ def run_engine(spec: dict, out: Path, keep) -> tuple[int, str]:
             for line in engine.stdout:
                 if line.startswith("ROW "):
                     keep(json.loads(line[4:]))
+                elif line.startswith("GREEDY ") and check is not None:
+                    check(json.loads(line[7:]))
         errors.seek(0)
         return engine.returncode, failure_excerpt(errors.read())
 

@@ -34,15 +34,19 @@ def run_pair(options: dict | None, plugin: bool = True, timeout: int = 900, **sp
     return run_probe(LLM_PROBE, stdin=pair_spec(options, **spec), plugins=plugins, timeout=timeout)
 
 
-def run_dummy(target: str, draft: str, options: dict | None, **spec) -> dict:
-    """``llm_probe.py`` on a dummy-weight float32 pair (``draft`` unused without
-    ``options``: no speculation); ``spec`` gives prompts, max_tokens, max_num_seqs and the
-    probe's other keys."""
+def run_dummy(
+    target: str, draft: str | None, options: dict | None, dtype: str = "float32", **spec
+) -> dict:
+    """``llm_probe.py`` on a dummy-weight pair in ``dtype`` (``draft`` unused without
+    ``options``: no speculation; None with them: the drafter the target's checkpoint holds,
+    DeepSeek-V4's DSpark module); ``spec`` gives prompts, max_tokens, max_num_seqs and the
+    probe's other keys ("engine": further LLM() arguments)."""
     spec |= {
         "target": target,
         "draft": draft if options is not None else None,
+        "draft_in_target": options is not None and draft is None,
         "options": options or {},
         "dummy": True,
-        "dtype": "float32",
+        "dtype": dtype,
     }
     return run_probe(LLM_PROBE, stdin=json.dumps(spec))

@@ -1,7 +1,9 @@
 """Run in a subprocess on a GPU: greedy generation with vLLM's LLM().
 
 Reads one JSON object on standard input: {"target", "draft" (or null for no speculation),
-"dummy" (dummy weights), "options" (extra speculative-config keys), "prompts" (token-id
+"draft_in_target" (with a null "draft": speculate with the drafter the target's checkpoint
+holds, DeepSeek-V4's DSpark module: no "model" in the speculative config), "dummy" (dummy
+weights), "options" (extra speculative-config keys), "prompts" (token-id
 lists), "max_tokens" (one for all prompts, or a list with one per prompt), optional
 "gpu_memory_utilization", "dtype", "enable_prefix_caching", "switch" (a list of [name,
 capacity options] measured one after another in this engine,
@@ -10,16 +12,22 @@ memory the engine does not hold with NaN, then hand it back to the allocator),
 "check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
 :func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs", "cudagraph_mode"
 and "compile" (:func:`compilation_config`), "margins" (also return, per prompt and output
-position, the top-two logprob gap: :func:`top_two_gap`)}. Prints one JSON line: the token
-ids per prompt, the spec-decode counts, the plugin's admission counts (compacted steps),
-the run's tokens per second, whether vllm-dspark's patches were applied, and with
-"check_draft_slots" the check's counts ("draft_slots")."""
+position, the top-two logprob gap: :func:`top_two_gap`), "engine" (further LLM()
+arguments, e.g. kv_cache_dtype and block_size), "accept_by_target" (with
+dspark_synthetic_confidence: drafts accepted as the target chooses, the synthetic
+confidences steering capacity control alone: offline_sweep.accept_by_target)}. Prints
+one JSON line: the token ids per prompt, the spec-decode counts, the plugin's admission
+counts (compacted steps), the run's tokens per second, whether vllm-dspark's patches were
+applied, and with "check_draft_slots" the check's counts ("draft_slots")."""
 
 import json
 import os
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
 
 def compilation_config(spec: dict) -> dict | None:
@@ -32,6 +40,18 @@ def compilation_config(spec: dict) -> dict | None:
     if spec.get("cudagraph_mode"):
         config["cudagraph_mode"] = spec["cudagraph_mode"]
     return config or None
+
+
+def speculative_config(spec: dict) -> dict | None:
+    """DSpark with 7 drafts and the spec's options (which may name another method) from
+    the "draft" folder, or with "draft_in_target" from the target's checkpoint (no
+    "model": vLLM takes the target's path, as for DeepSeek-V4); None without either."""
+    if not (spec["draft"] or spec.get("draft_in_target")):
+        return None
+    speculative = {"method": "dspark", "num_speculative_tokens": 7}
+    if spec["draft"]:
+        speculative["model"] = spec["draft"]
+    return speculative | spec.get("options", {})
 
 
 def top_two_gap(position: dict) -> float:
@@ -219,15 +239,16 @@ def main(spec: dict) -> None:
     )
     from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
 
-    speculative = None
-    if spec["draft"]:
-        speculative = {"method": "dspark", "model": spec["draft"], "num_speculative_tokens": 7}
-        speculative.update(spec.get("options", {}))
+    speculative = speculative_config(spec)
+    if spec.get("accept_by_target"):
+        # Before the engine starts: its processes import the helper from this path.
+        sys.path.insert(0, str(BENCHMARKS))
+        from offline_sweep import accept_by_target
     if speculative or spec.get("poison_freed_memory"):
         # admission_counts(), the poisoning and the draft-slot check call into the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     start = time.perf_counter()
-    llm = LLM(
+    engine = dict(
         model=spec["target"],
         load_format="dummy" if spec.get("dummy") else "auto",
         skip_tokenizer_init=spec.get("dummy", False),
@@ -244,7 +265,10 @@ def main(spec: dict) -> None:
         disable_log_stats=False,
         speculative_config=speculative,
     )
+    llm = LLM(**(engine | spec.get("engine", {})))
     load_s = time.perf_counter() - start
+    if spec.get("accept_by_target"):
+        accept_by_target(llm, True)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     max_tokens = spec["max_tokens"]
     if isinstance(max_tokens, int):
@@ -292,6 +316,7 @@ def main(spec: dict) -> None:
 
     result = {
         "patched": hasattr(EngineArgs.create_speculative_config, ORIGINAL_ATTR),
+        "accepted_by_target": bool(spec.get("accept_by_target")),
         "load_s": round(load_s, 1),
         "poisoned_bytes": poisoned,
     }

@@ -108,8 +108,21 @@
 #            {shape, arm, concurrency, tok_s, ...} in moe_qwen3.json (offline_sweep's
 #            record: setup names the shape). Third and fourth arguments: other arms, other
 #            concurrencies
+#   dsv4-lossless  the tiny-dsv4 shape (DeepSeek-V4, its own DSpark module, bf16 with FP8
+#            linears, dummy weights): greedy outputs of stock DSpark k=7 and of every
+#            capacity mode verified masked (one engine, switched) against no speculation
+#            (tests/gpu/test_dsv4_lossless_gpu.py; three engines); queue it as
+#            "dsv4-lossless!" so that a failure stops the queue before the timed stage
+#   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
+#            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
+#            no speculation, stock DSpark k=7, sps and acceptance verified masked (one
+#            shared engine), graphs to 2,048 tokens, at 1, 16, 64, 256 requests, each arm's
+#            greedy outputs checked against no speculation's (--greedy-check); rows
+#            {shape, arm, verify, concurrency, tok_s, greedy_identical, ...} in
+#            deepseek_v4.json. Untimed so far: run it from the queue. Third and fourth
+#            arguments: other arms, other concurrencies
 # MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
-# qwen3 for the Qwen3 MoE stages).
+# qwen3 for the Qwen3 MoE stages, dsv4 for the DeepSeek-V4 ones).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
 # tested commit in the JSON results.
 set -u
@@ -389,6 +402,28 @@ case "$stage" in
       --arms "${3:-nospec,dspark,sps-depth-plain,sps,budget,threshold}" --shared-engine \
       --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
       --out "$OUT/moe_qwen3.json" 2>&1 | quiet | tee "$OUT/moe_qwen3.log" | tail -30
+    ;;
+  dsv4-lossless)
+    vllm_moe_env
+    python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
+import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
+      || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
+    timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -q -p no:cacheprovider -rA \
+      2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
+    exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
+    ;;
+  dsv4)
+    vllm_moe_env
+    python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
+import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
+      || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
+    # Dummy routers send every token to the same few experts (docs/design/deepseek-v4.md):
+    # balanced random routing instead, which changes no output (the experts are zero).
+    export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random
+    timeout 3600 python3 benchmarks/offline_sweep.py --pair dsv4-flash-reduced --acceptance confidence \
+      --arms "${3:-nospec,dspark,sps-masked,acceptance-masked}" --shared-engine \
+      --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
+      --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

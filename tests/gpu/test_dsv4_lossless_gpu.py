@@ -1,0 +1,174 @@
+"""On a GPU: a DeepSeek-V4 target (the tiny-dsv4 shape: five layers of every attention and
+routing kind, 16 experts, dummy weights) with its own DSpark module keeps the greedy
+outputs of no speculation, under stock DSpark (k=7, the plugin inert) and under every
+capacity mode verified masked (``dspark_varlen_verify=false``: DeepSeek-V4's attention
+backends refuse compact verification): sps, budget, threshold and acceptance, switched in
+one engine started as offline_sweep starts its masked arms (the timed ``dsv4`` stage's).
+
+The engine is served as vLLM 0.26.0 serves DeepSeek-V4 (offline_sweep.DSV4_ENGINE: an FP8
+KV cache in blocks of 256; no "model" in the speculative config). The dummy folder holds
+no confidence head, so the capacity modes draw calibrated synthetic confidences to decide
+what is verified, and verification accepts what the target chooses
+(offline_sweep.accept_by_target): synthetic confidence alone would accept the drafter's
+tokens by a draw, whatever the target says.
+
+What equality is asserted: the model runs in its config's bfloat16 with block-scaled FP8
+linears (not float32: its weights are FP8), and a speculative step runs the target over 8
+rows a request where no speculation runs one, so its GEMMs and attention round
+differently; a greedy choice between two logits closer than that noise may flip. So an
+output that differs must first do so where no speculation's top-two logit gap is a near
+tie, at or below the ``TIE_PERCENTILE`` percentile of all its gaps (the scale of dummy
+logits is not known ahead, so the threshold is read from them; no speculation returns
+raw logits, since float32 log-probabilities of a near-uniform distribution, near -8.3,
+resolve no gap below 1e-6), and at most ``MAX_DIVERGING`` of the prompts may differ; a
+misplaced, unverified or wrongly accepted row derails at a gap of any size.
+
+Dummy weights could make that comparison empty (vLLM's dummy loader leaves the MXFP4
+experts zero and draws every other weight from +-1e-3): the test first checks that no
+speculation's outputs differ between prompts and use many tokens, with finite margins
+that are not all ties, and that the capacity arms verified fewer drafts than they
+proposed (masked verification of part of the drafts ran). Needs the MoE bundle's dsv4
+set (tools/device/moe_bundle.sh)."""
+
+import math
+import statistics
+import tempfile
+from pathlib import Path
+
+import pytest
+from gpu_results import prompt_divergences, write_result
+from offline_sweep import DSV4_ENGINE, shared_engine_plan
+from pair_probe import run_dummy
+from shapes import write_deepseek_v4_shape
+
+NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 16, 32, 8
+TIE_PERCENTILE, MAX_DIVERGING = 10, 3
+# No speculation's outputs must use at least this many distinct tokens.
+MIN_DISTINCT_TOKENS = 16
+SYNTHETIC_CONFIDENCE = [0.8, 0.78, 0.77, 0.77, 0.76, 0.75, 0.76]
+# Each capacity mode verified masked (varlen_verify false), as switched in a running engine.
+MASKED_SWITCH = [
+    ["sps", {"capacity": "sps", "varlen_verify": False}],
+    ["budget", {"capacity": "budget", "budget_frac": 0.5, "varlen_verify": False}],
+    ["threshold", {"capacity": "threshold", "confidence_threshold": 0.5, "varlen_verify": False}],
+    ["acceptance", {"capacity": "acceptance", "varlen_verify": False}],
+]
+# Arms that admit fewer drafts than proposed whatever the load: half the drafts, and a
+# prefix survival (a product of confidences around 0.77) that falls below 0.5.
+CUTTING_ARMS = ("budget", "threshold")
+
+
+@pytest.fixture(scope="module")
+def dsv4_folder() -> str:
+    return write_deepseek_v4_shape("tiny-dsv4", Path(tempfile.mkdtemp()))
+
+
+@pytest.fixture(autouse=True)
+def model_routing(monkeypatch):
+    """The model's own routers: the experts are zero, so no routing changes an output, but
+    vLLM's simulated routing draws at random."""
+    monkeypatch.delenv("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", raising=False)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts of 9 to 35 tokens, below the noise token (4095) of the shape's vocabulary."""
+    return [
+        [3 + (37 * i + 11 * j) % 4000 for j in range(9 + (7 * i) % 27)] for i in range(NUM_PROMPTS)
+    ]
+
+
+def run(folder: str, options: dict | None, engine: dict = DSV4_ENGINE, **probe) -> dict:
+    return run_dummy(
+        folder,
+        None,
+        options,
+        dtype="bfloat16",
+        engine=engine,
+        max_num_seqs=MAX_NUM_SEQS,
+        prompts=prompts(),
+        max_tokens=MAX_TOKENS,
+        **probe,
+    )
+
+
+def output_spread(nospec: dict) -> dict:
+    """What shows that no speculation's outputs can tell a wrong token from a right one:
+    their distinct tokens and outputs, and their top-two logit gaps (``tie_gap``: the gap
+    a divergence may start at)."""
+    outputs = nospec["token_ids"]
+    gaps = [gap for margins in nospec["margins"] for gap in margins]
+    finite = all(map(math.isfinite, gaps))
+    return {
+        "distinct_tokens": len({token for ids in outputs for token in ids}),
+        "distinct_outputs": len({tuple(ids) for ids in outputs}),
+        "finite_gaps": finite,
+        "median_gap": statistics.median(gaps) if finite else None,
+        "tie_gap": statistics.quantiles(gaps, n=100)[TIE_PERCENTILE - 1] if finite else None,
+    }
+
+
+def compared(out: dict, nospec: dict) -> dict:
+    return {
+        "greedy_token_ids_identical": out["token_ids"] == nospec["token_ids"],
+        "first_divergences": prompt_divergences(out["token_ids"], nospec),
+        "spec_decode": out["spec_decode"],
+        "admission": out["admission"],
+    }
+
+
+@pytest.mark.gpu
+def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder):
+    record = {
+        "setup": {
+            "target": "tiny-dsv4 DeepSeek-V4 (5 layers, hidden 1024, 16 experts), dummy "
+            "weights, its DSpark module (3 layers) from the same checkpoint",
+            "engine": DSV4_ENGINE | {"dtype": "bfloat16 (FP8 linears)"},
+            "arms": "stock DSpark k=7; "
+            + ", ".join(name for name, _ in MASKED_SWITCH)
+            + " verified masked, switched in one engine, synthetic confidence, drafts "
+            "accepted as the target chooses",
+            "sampling": "greedy",
+        },
+    }
+    raw_logits = DSV4_ENGINE | {"logprobs_mode": "raw_logits"}  # margins: logit gaps
+    nospec = run(dsv4_folder, None, engine=raw_logits, margins=True)
+    record["nospec"] = output_spread(nospec)
+
+    def save(results: dict) -> None:
+        write_result(
+            "dsv4_lossless_gpu.json",
+            "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dsv4_lossless_gpu.py",
+            record | {"result": results},
+        )
+
+    save({})
+    assert all(len(ids) == MAX_TOKENS for ids in nospec["token_ids"])
+    # Outputs that could not tell a wrong token from a right one prove nothing: stop here.
+    found = record["nospec"]
+    assert found["finite_gaps"] and found["median_gap"] > 0, found
+    assert found["distinct_tokens"] >= MIN_DISTINCT_TOKENS, found
+    assert found["distinct_outputs"] >= NUM_PROMPTS // 2, found
+
+    results = {"dspark": compared(run(dsv4_folder, {}), nospec)}
+    start, _ = shared_engine_plan(["sps-masked", "acceptance-masked"], None)
+    capacity = run(
+        dsv4_folder,
+        start | {"dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE},
+        switch=MASKED_SWITCH,
+        accept_by_target=True,
+    )
+    assert capacity["accepted_by_target"]
+    for arm, out in capacity["arms"].items():
+        results[arm] = compared(out, nospec)
+    save(results)
+
+    assert set(results) == {"dspark", *(name for name, _ in MASKED_SWITCH)}
+    for arm, result in results.items():
+        assert result["spec_decode"]["drafts"] > 0, arm
+        divergences = result["first_divergences"]
+        assert len(divergences) <= MAX_DIVERGING, (arm, divergences)
+        tie_gap = found["tie_gap"]
+        assert all(d["gap"] <= tie_gap for d in divergences.values()), (arm, tie_gap, divergences)
+    for arm in CUTTING_ARMS:
+        admission = results[arm]["admission"]
+        assert 0 < admission["admitted"] < admission["proposed"], (arm, admission)
