@@ -208,9 +208,11 @@ class DSparkPluginSpeculator(PluginSpeculator, GraphedContextKV, DSparkSpeculato
             checkpoint = self.draft_model_config.model
             download_dir = self.vllm_config.load_config.download_dir
             rank = model.model.markov_head.markov_w1.weight.shape[1]
+            # The head reads the drafter's last hidden state: the model's hidden size, not
+            # vLLM's self.hidden_size (hc_mult times wider for DeepSeek-V4's residuals).
             self.confidence = ConfidenceHead.from_checkpoint(
                 checkpoint,
-                self.hidden_size + rank,
+                self.draft_model_config.get_hidden_size() + rank,
                 self.num_speculative_steps,
                 self.device,
                 download_dir,

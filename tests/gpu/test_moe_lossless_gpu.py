@@ -5,9 +5,12 @@ fixed K=7 and with every capacity mode under compact verification.
 Dummy weights in float32, as test_dflash_mixed_gpu.py: drafts are almost never accepted,
 so the test checks that the MoE target's verification of K positions a request (its
 routing and expert alignment over a batch of draft rows, compacted or not) changes no
-output. Needs the MoE bundle's _moe_C (tools/device/moe_bundle.sh). An output that differs
-must do so first where no speculation's top-two logprob gap is below ``FLOAT32_TIE_GAP``,
-and few may (dummy logits lie close)."""
+output. The capacity arms' synthetic confidences steer what is admitted only: their
+verification accepts what the target chooses (``accept_by_target``; synthetic acceptance
+would accept the drafter's tokens). Needs the MoE bundle's _moe_C
+(tools/device/moe_bundle.sh). An output that differs must do so first where no
+speculation's top-two logprob gap is below ``FLOAT32_TIE_GAP``, and few may (dummy logits
+lie close)."""
 
 import tempfile
 from pathlib import Path
@@ -46,6 +49,7 @@ def run(dirs: dict, options: dict | None, **probe) -> dict:
             "dspark_varlen_verify": True,
             "dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE,
         }
+        probe["accept_by_target"] = True
     return run_dummy(
         dirs["target"],
         dirs["draft"],
