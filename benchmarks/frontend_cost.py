@@ -76,12 +76,14 @@ class Fit:
 
 
 def fit_step_cost(points: list[dict]) -> Fit:
-    """Least-squares ``a + b*N + c*N*t`` through each point's median step time."""
+    """``a + b*N + c*N*t`` through each point's median step time, least squares in relative
+    error (each row divided by its median), so one request's 10 µs weighs as much as 256
+    requests' 10 ms."""
     requests = np.array([p["requests"] for p in points], dtype=float)
     tokens = np.array([p["tokens_per_chunk"] for p in points], dtype=float)
     median = np.array([p["median_us"] for p in points])
     design = np.stack([np.ones_like(requests), requests, requests * tokens], axis=1)
-    coef, *_ = np.linalg.lstsq(design, median, rcond=None)
+    coef, *_ = np.linalg.lstsq(design / median[:, None], np.ones_like(median), rcond=None)
     residual = np.abs(design @ coef - median) / median
     return Fit(*(float(c) for c in coef), max_relative_residual=float(residual.max()))
 
@@ -261,29 +263,44 @@ async def time_steps(
 
 
 def measure(
-    variants: list[str], requests: list[int], tokens: list[int], steps: int, warmup: int
+    variants: list[str],
+    requests: list[int],
+    tokens: list[int],
+    steps: int,
+    warmup: int,
+    repeats: int = 1,
 ) -> dict:
-    """Every (variant, N, t) point's median step time and each variant's fit."""
+    """Every (variant, N, t) point's step time and each variant's fit. The points run
+    round-robin ``repeats`` times, so background load spreads over all of them; a point's
+    median is the median of its rounds' medians."""
+    grid = [(v, n, t) for v in variants for n in requests for t in tokens]
+    rounds: dict[tuple, list[list[float]]] = {key: [] for key in grid}
+    for repeat in range(repeats):
+        for key in grid:
+            rounds[key].append(asyncio.run(time_steps(*key, steps=steps, warmup=warmup)))
+            print(
+                f"round {repeat} {key[0]:9s} N={key[1]:4d} t={key[2]}: "
+                f"{np.median(rounds[key][-1]):9.1f} us"
+            )
     results = {}
     for variant in variants:
         points = []
-        for num_requests in requests:
-            for tokens_per_chunk in tokens:
-                times = asyncio.run(
-                    time_steps(variant, num_requests, tokens_per_chunk, steps, warmup)
-                )
-                q25, median, q75 = np.percentile(times, [25, 50, 75])
-                points.append(
-                    {
-                        "requests": num_requests,
-                        "tokens_per_chunk": tokens_per_chunk,
-                        "median_us": float(median),
-                        "q25_us": float(q25),
-                        "q75_us": float(q75),
-                        "us_per_token": float(median) / (num_requests * tokens_per_chunk),
-                    }
-                )
-                print(f"{variant:9s} N={num_requests:4d} t={tokens_per_chunk}: {median:9.1f} us")
+        for (v, num_requests, tokens_per_chunk), times in rounds.items():
+            if v != variant:
+                continue
+            median = float(np.median([np.median(r) for r in times]))
+            q25, q75 = np.percentile(np.concatenate(times), [25, 75])
+            points.append(
+                {
+                    "requests": num_requests,
+                    "tokens_per_chunk": tokens_per_chunk,
+                    "median_us": median,
+                    "q25_us": float(q25),
+                    "q75_us": float(q75),
+                    "round_medians_us": [float(np.median(r)) for r in times],
+                    "us_per_token": median / (num_requests * tokens_per_chunk),
+                }
+            )
         fit = fit_step_cost(points)
         results[variant] = {
             "fit": {
@@ -341,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", default="1,2,4,8", help="t (tokens per chunk)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3, help="round-robin rounds")
     parser.add_argument("--out", type=Path, help="default: results/frontend_cost_<commit>_cpu")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
@@ -348,13 +366,16 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     record = provenance(argv)
+    record["load_average_before"] = os.getloadavg()
     record["variants"] = measure(
         variants,
         [int(n) for n in args.requests.split(",")],
         [int(t) for t in args.tokens.split(",")],
         args.steps,
         args.warmup,
+        args.repeats,
     )
+    record["load_average_after"] = os.getloadavg()
     out = args.out or REPO / "benchmarks" / "results" / f"frontend_cost_{record['commit']}_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
