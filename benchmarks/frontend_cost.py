@@ -11,8 +11,9 @@ stats, detokenizes the new ids incrementally, builds a ``RequestOutput`` (DELTA)
 in the request's ``RequestOutputCollector``; each request's ``generate()`` task wakes, and
 the completions endpoint turns the delta into one server-sent event. This script drives
 that path with synthetic steps, no engine and no GPU, for every ``--requests`` N and
-``--tokens`` t (new tokens per chunk), and fits the median step time as
-``a + b*N + c*N*t`` (least squares): a per step, b per request chunk, c per token.
+``--tokens`` t (new tokens per chunk), and fits the step time (the least of ``--repeats``
+round-robin rounds' medians) as ``a + b*N + c*N*t`` (least squares in relative error): a
+per step, b per request chunk, c per token.
 
 Variants (each fitted on its own; log_stats on, as `vllm serve` runs by default):
 - ``token_ids``: ``process_outputs`` with ``detokenize=False`` (the timed region is that call).
@@ -56,7 +57,7 @@ MODEL_NAME = "tiny-pair"
 
 @dataclass(frozen=True)
 class Fit:
-    """Median step time (µs) as ``per_step + per_chunk*N + per_token*N*t``."""
+    """Step time (µs) as ``per_step + per_chunk*N + per_token*N*t``."""
 
     per_step_us: float
     per_chunk_us: float
@@ -76,15 +77,15 @@ class Fit:
 
 
 def fit_step_cost(points: list[dict]) -> Fit:
-    """``a + b*N + c*N*t`` through each point's median step time, least squares in relative
-    error (each row divided by its median), so one request's 10 µs weighs as much as 256
-    requests' 10 ms."""
+    """``a + b*N + c*N*t`` through each point's step time, least squares in relative error
+    (each row divided by its time), so one request's 10 µs weighs as much as 256 requests'
+    10 ms."""
     requests = np.array([p["requests"] for p in points], dtype=float)
     tokens = np.array([p["tokens_per_chunk"] for p in points], dtype=float)
-    median = np.array([p["median_us"] for p in points])
+    step_us = np.array([p["step_us"] for p in points])
     design = np.stack([np.ones_like(requests), requests, requests * tokens], axis=1)
-    coef, *_ = np.linalg.lstsq(design / median[:, None], np.ones_like(median), rcond=None)
-    residual = np.abs(design @ coef - median) / median
+    coef, *_ = np.linalg.lstsq(design / step_us[:, None], np.ones_like(step_us), rcond=None)
+    residual = np.abs(design @ coef - step_us) / step_us
     return Fit(*(float(c) for c in coef), max_relative_residual=float(residual.max()))
 
 
@@ -272,7 +273,7 @@ def measure(
 ) -> dict:
     """Every (variant, N, t) point's step time and each variant's fit. The points run
     round-robin ``repeats`` times, so background load spreads over all of them; a point's
-    median is the median of its rounds' medians."""
+    step time is its least round median (other processes only ever add time)."""
     grid = [(v, n, t) for v in variants for n in requests for t in tokens]
     rounds: dict[tuple, list[list[float]]] = {key: [] for key in grid}
     for repeat in range(repeats):
@@ -288,17 +289,15 @@ def measure(
         for (v, num_requests, tokens_per_chunk), times in rounds.items():
             if v != variant:
                 continue
-            median = float(np.median([np.median(r) for r in times]))
-            q25, q75 = np.percentile(np.concatenate(times), [25, 75])
+            round_medians = [float(np.median(r)) for r in times]
+            step_us = min(round_medians)
             points.append(
                 {
                     "requests": num_requests,
                     "tokens_per_chunk": tokens_per_chunk,
-                    "median_us": median,
-                    "q25_us": float(q25),
-                    "q75_us": float(q75),
-                    "round_medians_us": [float(np.median(r)) for r in times],
-                    "us_per_token": median / (num_requests * tokens_per_chunk),
+                    "step_us": step_us,
+                    "round_medians_us": round_medians,
+                    "us_per_token": step_us / (num_requests * tokens_per_chunk),
                 }
             )
         fit = fit_step_cost(points)
@@ -345,7 +344,7 @@ def provenance(argv: list[str]) -> dict:
         "setup": (
             "OutputProcessor.process_outputs on synthetic EngineCoreOutputs, DELTA output, "
             "log_stats on, logprobs off, embedded pair's byte-level BPE tokenizer; "
-            "fit: median step us = per_step + per_chunk*N + per_token*N*t"
+            "fit: step us (least round median) = per_step + per_chunk*N + per_token*N*t"
         ),
     }
 
@@ -356,9 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--requests", default="1,16,64,256", help="N, comma-separated")
     parser.add_argument("--tokens", default="1,2,4,8", help="t (tokens per chunk)")
-    parser.add_argument("--steps", type=int, default=200, help="timed steps per point")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per point and round")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3, help="round-robin rounds")
+    parser.add_argument("--repeats", type=int, default=5, help="round-robin rounds")
     parser.add_argument("--out", type=Path, help="default: results/frontend_cost_<commit>_cpu")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
