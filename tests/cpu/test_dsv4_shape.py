@@ -218,19 +218,25 @@ def _probe(shapes: list[str]) -> dict:
     fp8.init_fp8_linear_kernel = lambda **kwargs: None  # chosen per GPU, after the weights
     mxfp4.select_deepseek_v4_mxfp4_moe_backend = lambda moe: (Mxfp4MoeBackend.MARLIN, None)
 
-    root = Path(tempfile.mkdtemp())
-    report = {}
-    for index, shape in enumerate(shapes):
-        folder = write_deepseek_v4_shape(shape, root)
-        config = EngineArgs(
+    def engine_config(folder: str, **speculative):
+        return EngineArgs(
             model=folder,
             load_format="dummy",
             skip_tokenizer_init=True,
             max_model_len=4096,
             kv_cache_dtype="fp8",
             block_size=256,
-            speculative_config={"method": "dspark", "num_speculative_tokens": NUM_DRAFTS},
+            **speculative,
         ).create_engine_config()
+
+    root = Path(tempfile.mkdtemp())
+    report = {}
+    for index, shape in enumerate(shapes):
+        folder = write_deepseek_v4_shape(shape, root)
+        config = engine_config(
+            folder,
+            speculative_config={"method": "dspark", "num_speculative_tokens": NUM_DRAFTS},
+        )
         with set_current_vllm_config(config):
             if index == 0:
                 init_distributed_environment(
@@ -280,14 +286,7 @@ def _probe(shapes: list[str]) -> dict:
         }
     # The routing a timed run of a dummy shape asks for (docs/design/deepseek-v4.md).
     os.environ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = "uniform_random"
-    config = EngineArgs(
-        model=folder,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        kv_cache_dtype="fp8",
-        block_size=256,
-    ).create_engine_config()
+    config = engine_config(folder)
     with set_current_vllm_config(config), torch.device("meta"):
         simulated = DeepseekV4ForCausalLM(vllm_config=config, prefix="")
     report["simulated_routers"] = [
