@@ -10,8 +10,12 @@ for ``/health``, warms the server up once at the saturating load (unrecorded), t
 ``--rates`` requests per second, then every request at once (``--request-rate inf``) with
 at most ``--max-concurrency`` in flight. Each point keeps the client's own result JSON
 (under ``<out stem>_points/``) and scrapes ``/metrics`` before and after it for vLLM's
-spec-decode counters (acceptance length, accepted share per position). Then the server
-stops, even on failure; an arm whose server fails is recorded and the others still run.
+spec-decode counters (acceptance length, accepted share per position); a speculating
+arm's server also runs the plugin's worker extension (``vllm_dspark.metrics.
+ServedCounters``, vLLM's dev-mode ``/collective_rpc``), read around each point for what
+capacity control decided there (``plugin``: compacted and mixed steps, drafts verified per
+request, proposals skipped or rested). Then the server stops, even on failure; an arm
+whose server fails is recorded and the others still run.
 
 The record (``--out``) holds the provenance (command, commit, date, device) and one row
 per point: {setup, arm, request_rate, output_tok_s, tpot_p50_ms, tpot_p90_ms,
@@ -57,7 +61,7 @@ from offline_sweep import (
 )
 from shapes import SHAPES, write_shape
 
-from vllm_dspark.metrics import PREFIX, SpecDecodeCounts
+from vllm_dspark.metrics import PREFIX, AdmissionCounts, SpecDecodeCounts
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ SETUP_ARMS = {
     "qwen3-8b": list(ARM_PRESETS),
 }
 DEFAULT_REQUEST_RATES = "1,4,16,32,64"
+# The plugin's counters in a served engine (read through /collective_rpc in dev mode).
+SERVED_COUNTERS = "vllm_dspark.metrics.ServedCounters"
 
 
 def parse_arms(text: str, setup: str) -> list[str]:
@@ -245,6 +251,7 @@ def server_args(arm: Arm, models: Models, args: argparse.Namespace) -> list[str]
     speculative = arm_speculative_config(arm, models, args.acceptance_rates)
     if speculative is not None:
         words += ["--speculative-config", json.dumps(speculative)]
+        words += ["--worker-extension-cls", SERVED_COUNTERS]
     return words
 
 
@@ -332,11 +339,35 @@ def spec_decode_counts(prometheus_text: str) -> SpecDecodeCounts:
     return counts
 
 
-def point_row(setup: str, arm: str, result: dict, counts: SpecDecodeCounts) -> dict:
-    """One point's row from `vllm bench serve`'s result JSON and the spec-decode counters
-    over the point (``counts``: after minus before)."""
-    rate = result["request_rate"]
+def plugin_counts(admission: AdmissionCounts) -> dict:
+    """What capacity control decided over a point (``admission``: after minus before)."""
     return {
+        "compacted_steps": admission.steps,
+        "mixed_steps": admission.mixed_steps,
+        "graph_steps": admission.graph_steps,
+        "verified_per_compacted_step": round(admission.admitted_per_request, 3)
+        if admission.steps
+        else None,
+        "proposals_skipped": admission.proposals_skipped,
+        "proposals_rested": admission.proposals_rested,
+        "step_overhead_ms": admission.step_overhead_ms,
+        "plain_step_ms": admission.plain_step_ms,
+    }
+
+
+def point_row(
+    setup: str,
+    arm: str,
+    result: dict,
+    counts: SpecDecodeCounts,
+    admission: AdmissionCounts | None = None,
+) -> dict:
+    """One point's row from `vllm bench serve`'s result JSON and the counters over the
+    point (after minus before): vLLM's spec-decode ``counts`` and the plugin's
+    ``admission`` (None: not read, no speculation)."""
+    rate = result["request_rate"]
+    plugin = {"plugin": plugin_counts(admission)} if admission is not None else {}
+    return plugin | {
         "setup": setup,
         "arm": arm,
         "request_rate": rate if rate == "inf" else float(rate),
@@ -440,18 +471,28 @@ def merged_rows(path: Path | None, setup: str, arms: list[str]) -> list[dict]:
     return [row for row in rows if row["setup"] == setup and row["arm"] not in arms]
 
 
+def served_admission(url: str) -> AdmissionCounts:
+    """The first rank's plugin counters (ranks admit alike)."""
+    from serving import collective_rpc
+
+    return AdmissionCounts(**collective_rpc(url, "dspark_admission_counts")[0])
+
+
 def run_point(
-    url: str, command: list[str], result_path: Path, log
-) -> tuple[dict, SpecDecodeCounts]:
-    """One `vllm bench serve` run between two scrapes of the server's counters."""
+    url: str, command: list[str], result_path: Path, log, speculating: bool
+) -> tuple[dict, SpecDecodeCounts, AdmissionCounts | None]:
+    """One `vllm bench serve` run between two readings of the server's counters (the
+    plugin's too where ``speculating``)."""
     from serving import scrape_metrics
 
     before = spec_decode_counts(scrape_metrics(url))
+    admitted_before = served_admission(url) if speculating else None
     log.write(f"$ {' '.join(command)}\n")
     log.flush()
     subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
     after = spec_decode_counts(scrape_metrics(url))
-    return json.loads(result_path.read_text()), after - before
+    admission = served_admission(url) - admitted_before if speculating else None
+    return json.loads(result_path.read_text()), after - before, admission
 
 
 def run_arm(name: str, models: Models, args, points_dir: Path, keep) -> None:
@@ -462,21 +503,28 @@ def run_arm(name: str, models: Models, args, points_dir: Path, keep) -> None:
     arm = ARM_PRESETS[name]
     log_path = points_dir / f"{name}.server.log"
     rates = [*args.request_rates, float("inf")]
+    speculating = arm.options is not None
+    # Dev mode serves /collective_rpc, through which the plugin's counters are read.
+    env = {"VLLM_SERVER_DEV_MODE": "1"} if speculating else None
+    words = server_args(arm, models, args)
     with (
-        vllm_server(models.target, server_args(arm, models, args), log_path=log_path) as url,
+        vllm_server(models.target, words, env=env, log_path=log_path) as url,
         open(points_dir / f"{name}.client.log", "w") as log,
     ):
         warm = bench_command(
             url, models, float("inf"), args.max_concurrency, points_dir, "warmup.json", args
         )
-        run_point(url, warm, points_dir / "warmup.json", log)
+        run_point(url, warm, points_dir / "warmup.json", log, speculating)
         for rate in tqdm(rates, desc=name, unit="point"):
             filename = f"{name}_rate_{rate:g}.json"
             command = bench_command(
                 url, models, rate, num_prompts(rate, args), points_dir, filename, args
             )
-            result, counts = run_point(url, command, points_dir / filename, log)
-            keep(point_row(args.setup, name, result, counts) | {"result_file": filename})
+            result, counts, admission = run_point(
+                url, command, points_dir / filename, log, speculating
+            )
+            row = point_row(args.setup, name, result, counts, admission)
+            keep(row | {"result_file": filename})
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -90,3 +91,15 @@ def scrape_metrics(base_url: str) -> str:
     """The Prometheus text of `/metrics`."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
         return response.read().decode()
+
+
+def collective_rpc(base_url: str, method: str) -> list:
+    """Each rank's result of a worker method through ``POST /collective_rpc`` (a server
+    started with ``VLLM_SERVER_DEV_MODE=1``)."""
+    request = urllib.request.Request(
+        base_url + "/collective_rpc",
+        data=json.dumps({"method": method}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["results"]

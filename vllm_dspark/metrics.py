@@ -192,6 +192,21 @@ def admission_counts_per_rank(llm) -> list[AdmissionCounts]:
     return [AdmissionCounts(**counts) for counts in llm.collective_rpc(_worker_admission)]
 
 
+class ServedCounters:
+    """Mixed into vLLM's workers (``--worker-extension-cls
+    vllm_dspark.metrics.ServedCounters``): the plugin's counters by method name, for a
+    served engine through vLLM's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``),
+    e.g. ``{"method": "dspark_admission_counts"}``; one JSON object per rank."""
+
+    def dspark_admission_counts(self) -> dict:
+        """:class:`AdmissionCounts` as a dict (subtract two readings to measure a run)."""
+        return _worker_admission(self)
+
+    def dspark_gate_inputs(self) -> dict:
+        """What the draft gate weighs now (:func:`gate_inputs`)."""
+        return _worker_gate_inputs(self)
+
+
 def _worker_gate_inputs(worker) -> dict:
     controller = getattr(worker.model_runner.speculator, "controller", None)
     gate = getattr(controller, "draft_gate", None)

@@ -28,7 +28,7 @@ from serve_bench import (  # noqa: E402
 
 from vllm_dspark.config import resolve_options  # noqa: E402
 from vllm_dspark.demo import EMBEDDED_PAIR  # noqa: E402
-from vllm_dspark.metrics import SpecDecodeCounts  # noqa: E402
+from vllm_dspark.metrics import AdmissionCounts, SpecDecodeCounts  # noqa: E402
 
 # /metrics of a server with two engines (vLLM's Prometheus text: counters end in _total,
 # each with a _created timestamp), K = 3.
@@ -385,15 +385,19 @@ def test_a_run_records_every_point_and_the_arm_that_failed(tmp_path, monkeypatch
             if ("--speculative-config" in words)
             else None
         )
+        # A speculating arm's server serves the plugin's counters (dev mode).
+        assert (env == {"VLLM_SERVER_DEV_MODE": "1"}) == (speculative is not None)
+        assert ("--worker-extension-cls" in words) == (speculative is not None)
         if speculative and "sps" in speculative:
             raise RuntimeError("vllm serve exited with 1; see log")
         started.append(model)
         yield "http://127.0.0.1:1"
 
-    def fake_point(url, command, result_path, log):
+    def fake_point(url, command, result_path, log, speculating):
         rate = command[command.index("--request-rate") + 1]
         result = RESULT | {"request_rate": rate if rate == "inf" else float(rate)}
-        return result, spec_decode_counts(METRICS)
+        admission = AdmissionCounts(proposed=70, admitted=35, num_drafts=7, steps=10)
+        return result, spec_decode_counts(METRICS), admission if speculating else None
 
     monkeypatch.setattr(serving, "vllm_server", fake_server)
     monkeypatch.setattr(serve_bench, "run_point", fake_point)
@@ -409,5 +413,59 @@ def test_a_run_records_every_point_and_the_arm_that_failed(tmp_path, monkeypatch
         (arm, rate) for arm in ("nospec", "k7") for rate in (1.0, 8.0, "inf")
     ]
     assert list(record["failed"]) == ["sps"]
+    for row in record["rows"]:
+        plugin = row.get("plugin")
+        assert (plugin is not None) == (row["arm"] == "k7")
+        if plugin:
+            assert plugin["compacted_steps"] == 10
+            assert plugin["verified_per_compacted_step"] == 3.5
     assert out.with_suffix(".png").exists()
     assert started == [str(EMBEDDED_PAIR / "target")] * 2
+
+
+def test_served_counters_read_the_plugin_in_the_worker(plugin_speculator):
+    """The worker extension's methods run with the worker as ``self``: the controller's
+    counters, and an empty gate reading without a draft gate."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.metrics import ServedCounters
+
+    speculator = plugin_speculator(7, dspark_capacity="budget")
+    speculator.controller.compacted_steps, speculator.controller.drafts_admitted = 4, 9
+    worker = SimpleNamespace(model_runner=SimpleNamespace(speculator=speculator))
+    counts = AdmissionCounts(**ServedCounters.dspark_admission_counts(worker))
+    assert (counts.steps, counts.admitted, counts.num_drafts) == (4, 9, 7)
+    assert ServedCounters.dspark_gate_inputs(worker) == {}
+
+
+def test_collective_rpc_posts_the_method_and_returns_each_ranks_result():
+    import http.server
+    import threading
+
+    from serving import collective_rpc
+
+    received = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(
+                (self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            )
+            body = json.dumps({"results": [{"steps": 1}, {"steps": 1}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert collective_rpc(url, "dspark_admission_counts") == [{"steps": 1}, {"steps": 1}]
+    finally:
+        server.shutdown()
+    assert received == [("/collective_rpc", {"method": "dspark_admission_counts"})]
