@@ -15,7 +15,8 @@ from vllm_dspark.capacity.controller import CapacityController
 from vllm_dspark.config import DSparkOptionError, DSparkOptions
 
 # Options a running engine can switch; what they need was set up at start-up: compaction
-# hooks, depth graphs, the SPS profile.
+# hooks, depth graphs, the SPS profile. confidence_metrics records the head's calibration
+# afresh while on (the demo's untimed pass), and stops with any switch that leaves it out.
 SWITCHABLE = frozenset(
     {
         "capacity",
