@@ -239,8 +239,9 @@ def demo_record(settings: RunSettings, rows: list[dict], results: list, wall_s: 
 
 
 def plot_throughput(rows: list[dict], path: str, settings: RunSettings) -> None:
-    """Tokens per second by arm, one panel per load (their scales differ), each bar labelled
-    with its ratio to no speculation."""
+    """Tokens per second by arm, one panel per load (their scales differ): the median of the
+    repeats, a line from the slowest to the fastest repeat, and the ratio to no
+    speculation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,13 +254,20 @@ def plot_throughput(rows: list[dict], path: str, settings: RunSettings) -> None:
     for ax, load in zip(axes[0], loads, strict=True):
         at_load = {row["name"]: row for row in rows if row["concurrency"] == load}
         values = [at_load[name]["tok_s"] if name in at_load else 0 for name in names]
+        repeats = [at_load[name]["tok_s_repeats"] if name in at_load else [0] for name in names]
+        spread = [
+            [value - min(times) for value, times in zip(values, repeats, strict=True)],
+            [max(times) - value for value, times in zip(values, repeats, strict=True)],
+        ]
         bars = ax.bar(range(len(names)), values, color=colours[: len(names)])
-        for bar, name in zip(bars, names, strict=True):
+        ax.errorbar(range(len(names)), values, yerr=spread, fmt="none", ecolor="black", lw=1)
+        for index, (bar, name) in enumerate(zip(bars, names, strict=True)):
             ratio = at_load.get(name, {}).get("vs_nospec")
             if ratio:
+                top = bar.get_height() + spread[1][index]
                 ax.annotate(
                     f"{ratio:.2f}x",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    (bar.get_x() + bar.get_width() / 2, top),
                     ha="center",
                     va="bottom",
                     fontsize=8,
