@@ -370,9 +370,7 @@ class Engine:
         from vllm import LLM, SamplingParams
 
         self.spec = spec
-        speculative = speculative_config(spec)
-        self.speculative = speculative
-        self.speculating = speculative is not None
+        self.speculative = speculative_config(spec)
         if self.speculating:
             # admission_counts_per_rank() reads the speculators' counters in the workers.
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -389,7 +387,7 @@ class Engine:
         )
         # What the pair needs beyond (DSV4_ENGINE for a DeepSeek-V4 shape).
         kwargs |= spec.get("engine") or {}
-        self.llm = LLM(**kwargs, speculative_config=speculative)
+        self.llm = LLM(**kwargs, speculative_config=self.speculative)
         self.engine_start_s = round(time.monotonic() - started, 1)
         self.params = SamplingParams(
             temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True
@@ -409,6 +407,10 @@ class Engine:
             self.llm.generate(
                 self.prompts(concurrency, 50_000 + concurrency), self.params, use_tqdm=False
             )
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative is not None
 
     def prompts(self, count: int, offset: int) -> list[dict]:
         return sweep_prompts(count, offset, self.spec["prompt_len"], self.stream)
