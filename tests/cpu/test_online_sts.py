@@ -126,7 +126,7 @@ def test_the_speculator_feeds_its_verifications_and_temperatures(plugin_speculat
     speculator = plugin_speculator(3, dspark_capacity="budget", dspark_budget_frac=1.0)
     speculator.temperatures = torch.ones(3)  # what loading the draft model sets
     speculator.online_sts = OnlineSTS(speculator.temperatures.clone(), refit_every=2)
-    speculator.controller.verification_reader = speculator._read_verification  # as loading does
+    speculator.record_calibration(False)  # as loading does: online STS reads every step
     speculator.controller.drafted_last, speculator.controller.draft_depth = True, 3
     speculator.slot_confidence_logits[:2] = torch.tensor([[4.0, 4.0, 4.0], [-4.0, -4.0, -4.0]])
     batch = SimpleNamespace(

@@ -146,9 +146,10 @@ class CapacityController(DepthControl):
         # draft graph per depth (``varies_depth``, set by the speculator).
         self.draft_depth = num_drafts
         self.varies_depth = previous.varies_depth if previous is not None else False
-        # Called with (slots, drafts verified, drafts accepted) per verified step, by a
-        # speculator that reads them (calibration metrics, online STS).
-        self.verification_reader = previous.verification_reader if previous else None
+        # Called with (slots, drafts verified, drafts accepted) per verified step, set by a
+        # speculator that reads them (calibration metrics, online STS: its
+        # record_calibration, at load and after every switch).
+        self.verification_reader = None
         self.controls_capacity = options.capacity != "off"
         # Per request slot: the survival of the drafts it waits to have verified.
         self.slot_survival = torch.ones(

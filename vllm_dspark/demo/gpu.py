@@ -164,7 +164,7 @@ class ArmEngine:
             gaps.append([first.logprob - second.logprob for first, second in best])
         return gaps
 
-    def calibration(self, pool: list[list[int]], load: int, max_tokens: int) -> dict | None:
+    def calibration(self, pool: list[list[int]], load: int, max_tokens: int) -> dict:
         """The confidence head's calibration (per position, prefix survival) over one
         untimed pass of the whole pool at ``load``, recorded during that pass only."""
         from vllm_dspark.bench.engine_control import switch_capacity
