@@ -25,6 +25,17 @@ def graph_sizes(vllm_config: VllmConfig) -> list[int]:
 # offsets, taking the host's per-request lengths as upper bounds (FlashInfer plans on the
 # host's layout, so it is not among them).
 COMPACTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+# DeepSeek-V4's, which read host lengths: they take a compacted batch through the wrappers
+# of vllm_dspark.patches.dsv4_compact (a host placeholder layout, the token map from the
+# device offsets, the indexer's flattened variable-length rows), on Hopper, where the
+# indexer flattens its decode rows (on Blackwell it keeps them uniform per request).
+DSV4_COMPACTION_BACKENDS = (
+    "FLASHMLA_SPARSE_DSV4",
+    "DEEPSEEK_SPARSE_SWA",
+    "CompressorBackend",
+    "DEEPSEEK_V4_INDEXER",
+)
+DSV4_INDEXER = "DEEPSEEK_V4_INDEXER"
 
 
 def has_full_decode_graphs(vllm_config: VllmConfig) -> bool:
@@ -66,20 +77,42 @@ def check_compaction_supported(vllm_config: VllmConfig) -> None:
 def check_compaction_backends(attn_groups, draft_layer_names) -> None:
     """The target's attention must take a batch whose per-request query lengths were
     chosen on the GPU, from device-side query offsets and upper bounds on the host:
-    FlashAttention (2 or 3) and Triton attention do. (FULL graphs of such batches are
-    captured for FlashAttention 3 alone: :mod:`vllm_dspark.verify.compact_graphs`.)"""
-    names = {
-        group.backend.get_name()
+    FlashAttention (2 or 3) and Triton attention do, and DeepSeek-V4's backends on SM90
+    with the plugin's wrappers. (FULL graphs of such batches are captured for
+    FlashAttention 3 alone: :mod:`vllm_dspark.verify.compact_graphs`.)"""
+    target = [
+        group
         for groups in attn_groups
         for group in groups
         if not set(group.layer_names) <= draft_layer_names
-    }
-    unsupported = names - set(COMPACTION_BACKENDS)
+    ]
+    names = {group.backend.get_name() for group in target}
+    deepseek_v4 = bool(names & set(DSV4_COMPACTION_BACKENDS))
+    accepted = set(COMPACTION_BACKENDS)
+    if deepseek_v4 and dsv4_compaction_ready(target):
+        accepted |= set(DSV4_COMPACTION_BACKENDS)
+    unsupported = names - accepted
     if unsupported:
+        backends = (
+            "--attention-backend FLASHMLA_SPARSE_DSV4 on SM90 (Hopper) with at least 2 drafts"
+            if deepseek_v4
+            else f"--attention-backend {' or '.join(COMPACTION_BACKENDS)}"
+        )
         raise DSparkOptionError(
             f"vllm-dspark: {KEY_PREFIX}varlen_verify cannot run the target's attention "
-            f"backend {', '.join(sorted(unsupported))}. Valid here: "
-            f"--attention-backend {' or '.join(COMPACTION_BACKENDS)}; or "
+            f"backend {', '.join(sorted(unsupported))} here. Valid here: {backends}; or "
             f"{KEY_PREFIX}varlen_verify=false, which verifies the admitted drafts of an "
             f"uncompacted batch (the target then runs every draft); or {KEY_PREFIX}capacity=off."
         )
+
+
+def dsv4_compaction_ready(target_groups) -> bool:
+    """Whether DeepSeek-V4's backends take a compacted batch here: on SM90 (Hopper),
+    with every indexer flattening its decode rows (it does unless 1 + K is 1 or 2)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_device_capability_family(90) and all(
+        group.get_metadata_builder().use_flattening
+        for group in target_groups
+        if group.backend.get_name() == DSV4_INDEXER
+    )

@@ -54,6 +54,12 @@ PATCHES = (
         "captures FULL variable-length CUDA graphs for compacted steps",
     ),
     Patch(
+        "vllm_dspark.patches.dsv4_compact",
+        "worker",
+        False,
+        "gives DeepSeek-V4's attention builders a compacted step's host and device layout",
+    ),
+    Patch(
         "vllm_dspark.patches.sps_autoprofile",
         "worker",
         False,

@@ -16,7 +16,9 @@ Upstream: vllm-project/vllm#47808 (adaptive verification) does this in-tree, in 
 releases after 0.26.0.
 Remove when: the pinned vLLM verifies a device-chosen subset of drafts itself.
 Applied lazily, by :mod:`vllm_dspark.patches.speculator_selection`, only when a
-speculator with capacity control is built; runners without one are untouched.
+speculator with capacity control is built; runners without one are untouched. Applies
+:mod:`~vllm_dspark.patches.compact_graphs` and :mod:`~vllm_dspark.patches.dsv4_compact`
+(DeepSeek-V4's host layout, read through :func:`compacting_plan`) with it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from vllm_dspark.verify.layout import compact_input_batch, masked_input_batch, s
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 # The plan of the step ``execute_model`` is running, if it verifies fewer than all drafts.
 _step_plan_var: ContextVar[StepPlan | None] = ContextVar("vllm_dspark_step_plan", default=None)
+
+
+def compacting_plan() -> StepPlan | None:
+    """The plan of the step running now if its batch is compacted (not masked)."""
+    plan = _step_plan_var.get()
+    return None if plan is None or plan.masked else plan
 
 
 def _controller(runner):
@@ -117,3 +125,6 @@ def apply() -> None:
     wrap(runner, "prepare_inputs", _make_prepare_wrapper)
     wrap(runner, "sample", _make_sample_wrapper)
     compact_graphs.apply()
+    from vllm_dspark.patches import dsv4_compact  # it reads this module's plan
+
+    dsv4_compact.apply()

@@ -10,6 +10,9 @@ smallest. What FlashAttention 3 fixes at capture follows the maximum query lengt
 it drops the causal mask for head sizes other than 128), so compact graphs are captured on
 :func:`capture_query_lengths`, whose longest query is 1 + K. Other backends bake more of
 the batch into a graph, so with them compacted steps run PIECEWISE, as any mixed batch.
+DeepSeek-V4's backends (:mod:`vllm_dspark.patches.dsv4_compact`) are among them for now:
+a compact graph is captured on flattened indexer rows, but a step that admits no draft
+(every query one token) gets the indexer's per-request rows, in other buffers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
 def replays_varlen_graphs(vllm_config) -> bool:
     """Whether every attention layer (the draft's too: its layers are in the same forward
-    context) runs FlashAttention 3, which reads a compacted batch's layout at replay."""
+    context) runs FlashAttention 3, which reads a compacted batch's layout at replay
+    (DeepSeek-V4's compacted steps run PIECEWISE: see the module's docstring)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
