@@ -1,9 +1,12 @@
 """On a GPU: a DeepSeek-V4 target (the tiny-dsv4 shape: five layers of every attention and
 routing kind, 16 experts, dummy weights) with its own DSpark module keeps the greedy
 outputs of no speculation, under stock DSpark (k=7, the plugin inert) and under every
-capacity mode verified masked (``dspark_varlen_verify=false``: DeepSeek-V4's attention
-backends refuse compact verification): sps, budget, threshold and acceptance, switched in
-one engine started as offline_sweep starts its masked arms (the timed ``dsv4`` stage's).
+capacity mode, sps, budget, threshold and acceptance, switched in one engine: verified
+masked (``dspark_varlen_verify=false``), in an engine started as offline_sweep starts its
+masked arms (the timed ``dsv4`` stage's); and verified compacted
+(``dspark_varlen_verify=true``, on Hopper only: patches/dsv4_compact.py), decode steps and
+steps with prompts alike, run PIECEWISE (no compact FULL graph is captured for
+DeepSeek-V4, verify/compact_graphs.py).
 
 The engine is served as vLLM 0.26.0 serves DeepSeek-V4 (offline_sweep.DSV4_ENGINE: an FP8
 KV cache in blocks of 256; no "model" in the speculative config). The dummy folder holds
@@ -27,8 +30,8 @@ Dummy weights could make that comparison empty (vLLM's dummy loader leaves the M
 experts zero and draws every other weight from +-1e-3): the test first checks that no
 speculation's outputs differ between prompts and use many tokens, with finite margins
 that are not all ties, and that the capacity arms verified fewer drafts than they
-proposed (masked verification of part of the drafts ran). Needs the MoE bundle's dsv4
-set (tools/device/moe_bundle.sh)."""
+proposed (masked or compact verification of part of the drafts ran; compacted steps with
+prompts among them). Needs the MoE bundle's dsv4 set (tools/device/moe_bundle.sh)."""
 
 import math
 import statistics
@@ -53,6 +56,9 @@ MASKED_SWITCH = [
     ["threshold", {"capacity": "threshold", "confidence_threshold": 0.5, "varlen_verify": False}],
     ["acceptance", {"capacity": "acceptance", "varlen_verify": False}],
 ]
+# The same modes verified compacted, started in sps as compact arms start.
+COMPACT_START = {"dspark_capacity": "sps", "dspark_varlen_verify": True}
+COMPACT_SWITCH = [[name, options | {"varlen_verify": True}] for name, options in MASKED_SWITCH]
 # Arms that admit fewer drafts than proposed whatever the load: half the drafts, and a
 # prefix survival (a product of confidences around 0.77) that falls below 0.5.
 CUTTING_ARMS = ("budget", "threshold")
@@ -116,8 +122,49 @@ def compared(out: dict, nospec: dict) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def nospec(dsv4_folder) -> dict:
+    """No speculation's outputs and their spread, once they are shown to tell a wrong
+    token from a right one."""
+    raw_logits = DSV4_ENGINE | {"logprobs_mode": "raw_logits"}  # margins: logit gaps
+    out = run(dsv4_folder, None, engine=raw_logits, margins=True)
+    return {"out": out, "spread": output_spread(out)}
+
+
+def check_nospec(nospec: dict) -> None:
+    assert all(len(ids) == MAX_TOKENS for ids in nospec["out"]["token_ids"])
+    # Outputs that could not tell a wrong token from a right one prove nothing: stop here.
+    found = nospec["spread"]
+    assert found["finite_gaps"] and found["median_gap"] > 0, found
+    assert found["distinct_tokens"] >= MIN_DISTINCT_TOKENS, found
+    assert found["distinct_outputs"] >= NUM_PROMPTS // 2, found
+
+
+def capacity_arms(folder: str, start: dict, switch: list, nospec: dict) -> dict:
+    capacity = run(
+        folder,
+        start | {"dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE},
+        switch=switch,
+        accept_by_target=True,
+    )
+    assert capacity["accepted_by_target"]
+    return {arm: compared(out, nospec["out"]) for arm, out in capacity["arms"].items()}
+
+
+def check_lossless(results: dict, nospec: dict) -> None:
+    tie_gap = nospec["spread"]["tie_gap"]
+    for arm, result in results.items():
+        assert result["spec_decode"]["drafts"] > 0, arm
+        divergences = result["first_divergences"]
+        assert len(divergences) <= MAX_DIVERGING, (arm, divergences)
+        assert all(d["gap"] <= tie_gap for d in divergences.values()), (arm, tie_gap, divergences)
+    for arm in CUTTING_ARMS:
+        admission = results[arm]["admission"]
+        assert 0 < admission["admitted"] < admission["proposed"], (arm, admission)
+
+
 @pytest.mark.gpu
-def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder):
+def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder, nospec):
     record = {
         "setup": {
             "target": "tiny-dsv4 DeepSeek-V4 (5 layers, hidden 1024, 16 experts), dummy "
@@ -129,10 +176,8 @@ def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder):
             "accepted as the target chooses",
             "sampling": "greedy",
         },
+        "nospec": nospec["spread"],
     }
-    raw_logits = DSV4_ENGINE | {"logprobs_mode": "raw_logits"}  # margins: logit gaps
-    nospec = run(dsv4_folder, None, engine=raw_logits, margins=True)
-    record["nospec"] = output_spread(nospec)
 
     def save(results: dict) -> None:
         write_result(
@@ -142,33 +187,47 @@ def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder):
         )
 
     save({})
-    assert all(len(ids) == MAX_TOKENS for ids in nospec["token_ids"])
-    # Outputs that could not tell a wrong token from a right one prove nothing: stop here.
-    found = record["nospec"]
-    assert found["finite_gaps"] and found["median_gap"] > 0, found
-    assert found["distinct_tokens"] >= MIN_DISTINCT_TOKENS, found
-    assert found["distinct_outputs"] >= NUM_PROMPTS // 2, found
-
-    results = {"dspark": compared(run(dsv4_folder, {}), nospec)}
+    check_nospec(nospec)
+    results = {"dspark": compared(run(dsv4_folder, {}), nospec["out"])}
     start, _ = shared_engine_plan(["sps-masked", "acceptance-masked"], None)
-    capacity = run(
-        dsv4_folder,
-        start | {"dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE},
-        switch=MASKED_SWITCH,
-        accept_by_target=True,
-    )
-    assert capacity["accepted_by_target"]
-    for arm, out in capacity["arms"].items():
-        results[arm] = compared(out, nospec)
+    results |= capacity_arms(dsv4_folder, start, MASKED_SWITCH, nospec)
     save(results)
 
     assert set(results) == {"dspark", *(name for name, _ in MASKED_SWITCH)}
-    for arm, result in results.items():
-        assert result["spec_decode"]["drafts"] > 0, arm
-        divergences = result["first_divergences"]
-        assert len(divergences) <= MAX_DIVERGING, (arm, divergences)
-        tie_gap = found["tie_gap"]
-        assert all(d["gap"] <= tie_gap for d in divergences.values()), (arm, tie_gap, divergences)
-    for arm in CUTTING_ARMS:
-        admission = results[arm]["admission"]
-        assert 0 < admission["admitted"] < admission["proposed"], (arm, admission)
+    check_lossless(results, nospec)
+
+
+@pytest.mark.gpu
+def test_dsv4_greedy_lossless_compact_capacity_modes(dsv4_folder, nospec):
+    """Issue #59: the capacity modes verified compacted. Every compacted step runs
+    PIECEWISE (no compact FULL graph replays), and some carried prompts."""
+    record = {
+        "setup": {
+            "target": "tiny-dsv4 DeepSeek-V4 (5 layers, hidden 1024, 16 experts), dummy "
+            "weights, its DSpark module (3 layers) from the same checkpoint",
+            "engine": DSV4_ENGINE | {"dtype": "bfloat16 (FP8 linears)"},
+            "arms": ", ".join(name for name, _ in COMPACT_SWITCH)
+            + " verified compacted, switched in one engine, synthetic confidence, drafts "
+            "accepted as the target chooses",
+            "sampling": "greedy",
+        },
+        "nospec": nospec["spread"],
+    }
+
+    def save(results: dict) -> None:
+        write_result(
+            "dsv4_compact_lossless_gpu.json",
+            "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dsv4_lossless_gpu.py -k compact",
+            record | {"result": results},
+        )
+
+    save({})
+    check_nospec(nospec)
+    results = capacity_arms(dsv4_folder, COMPACT_START, COMPACT_SWITCH, nospec)
+    save(results)
+
+    assert set(results) == {name for name, _ in COMPACT_SWITCH}
+    check_lossless(results, nospec)
+    admissions = [result["admission"] for result in results.values()]
+    assert all(admission["graph_steps"] == 0 for admission in admissions), admissions
+    assert sum(admission["mixed_steps"] for admission in admissions) > 0, admissions
