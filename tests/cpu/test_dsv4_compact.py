@@ -702,7 +702,7 @@ def test_compact_verification_applies_the_deepseek_v4_wrappers():
 
 
 def test_builders_under_triton_interpreter():
-    assert run_interpreted(__file__) == 2
+    assert run_interpreted(__file__) == 7
 
 
 def dsv4_attention_groups(monkeypatch):
@@ -853,3 +853,200 @@ def test_interpreted_builders_give_kept_tokens_their_uncompacted_metadata(
     first = compact_starts[1]  # request 0's kept tokens, from position 252
     assert got["c128a_decode"][1][:first].tolist() == [1, 1, 1, 2, 2, 2][:first]
     assert int(got["indexer_decode"][0].max()) > 0
+
+
+# What a compact graph replays: the four builders on its capture layout and on a
+# compacted step padded to it, under Triton's interpreter.
+
+
+class BlockTables:
+    """The runner's persistent block table and slot mapping (vLLM's ``BlockTables``): a
+    step writes its rows into them; the builders get views of their heads."""
+
+    def __init__(self):
+        self.block_table = torch.zeros(16, BLOCKS_PER_REQ, dtype=torch.int32)
+        self.slot_mapping = torch.full((1, 256), -1, dtype=torch.int64)
+
+    def write(self, table, slots):
+        rows, tokens = table.shape[0], slots.shape[1]
+        self.block_table[:rows] = table
+        self.slot_mapping.fill_(-1)  # vLLM pads past the step's tokens
+        self.slot_mapping[:, :tokens] = slots
+        return (self.block_table[:rows],), self.slot_mapping[:, :tokens]
+
+    def dummy(self, rows, tokens):
+        """For a capture, as get_dummy_block_tables and get_dummy_slot_mappings give them."""
+        self.slot_mapping.fill_(-1)
+        return (self.block_table[:rows],), self.slot_mapping[:, :tokens]
+
+
+def capture_metadata(groups, buffers, tables, num_reqs, num_tokens, query_len):
+    """What vLLM's capture of a FULL graph of ``num_tokens`` tokens and ``num_reqs``
+    requests builds (``prepare_inputs_to_capture``): its dummy batch, laid out by the
+    plugin's wrapper with queries of ``query_len``; slot mappings that write nowhere; the
+    attention metadata, built for capture."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vllm_dspark.patches import compact_graphs as graphs_patch
+
+    make_dummy = graphs_patch._make_dummy_batch_wrapper(InputBatch.make_dummy.__func__)
+    token = graphs_patch._capture_query_len_var.set(query_len)
+    try:
+        batch = make_dummy(InputBatch, num_reqs, num_tokens, buffers)
+    finally:
+        graphs_patch._capture_query_len_var.reset(token)
+    block_tables, slots = tables.dummy(num_reqs, num_tokens)
+    return DefaultModelState.prepare_attn(
+        MODEL_STATE,
+        batch,
+        CUDAGraphMode.NONE,
+        block_tables,
+        slots,
+        [groups],
+        KV_CACHE_CONFIG,
+        for_capture=True,
+    )
+
+
+# Values of the builders' output that no kernel of a decode-only graph reads: the host
+# query offsets and longest query (read for prompts, models/deepseek_v4/nvidia/
+# flashmla.py:260-323), and the longest sequence, which the capture takes as max_model_len
+# (model_states/default.py, for_capture) where the indexer's top-k reads it
+# (model_executor/layers/sparse_attn_indexer.py:613-620): a bound on every replay's.
+NOT_READ_BY_GRAPHS = ("query_start_loc_cpu", "max_query_len", "max_seq_len")
+
+
+def replayed(metadata: dict) -> dict:
+    """{field path: what a graph replay takes of it}: a tensor by address, shape, strides
+    and dtype (its contents are rewritten before each replay); a FlashMLA tile plan by its
+    presence (made inside the graph, from those tensors); any other value as it is (fixed
+    at capture)."""
+    flat = {}
+
+    def walk(value, path):
+        if path.rsplit(".", 1)[-1] in NOT_READ_BY_GRAPHS:
+            return
+        if isinstance(value, torch.Tensor):
+            flat[path] = (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
+        elif dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name), f"{path}.{field.name}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}")
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(item, f"{path}.{index}")
+        elif isinstance(value, SimpleNamespace):  # FlashMLA's planner is stubbed by one
+            flat[path] = "tile plan"
+        else:
+            flat[path] = value
+
+    for name, value in metadata.items():
+        walk(value, name)
+    return flat
+
+
+def graph_and_step(speculator, monkeypatch, computed, budget, num_reqs, num_tokens, query_len):
+    """The four builders' metadata captured for a graph (``num_tokens``, ``num_reqs``,
+    queries of ``query_len``), then that of a compacted decode step of ``computed``
+    contexts admitting ``budget`` drafts (the controller's own when None), padded to the
+    graph, built in the same persistent buffers; the uniform indexer kernel's launches
+    during each; and the step's batch."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    groups = dsv4_attention_groups(monkeypatch)
+    launches = KernelLaunches(indexer._prepare_uniform_decode_kernel)
+    monkeypatch.setattr(indexer, "_prepare_uniform_decode_kernel", launches)
+    buffers, tables = input_buffers(), BlockTables()
+    graph = capture_metadata(groups, buffers, tables, num_reqs, num_tokens, query_len)
+    graph_launches = len(launches.grids)
+    case = (computed, [], num_reqs - len(computed))
+    step, _, plan = compacted_batch(speculator, case, survivals(1), buffers, budget)
+    step = dataclasses.replace(step, num_tokens_after_padding=num_tokens)
+    with running(plan):
+        metadata = prepare_attn(step, groups, full_graph=True, tables=tables)
+    launched = (graph_launches, len(launches.grids) - graph_launches)
+    return graph, metadata, launched, step
+
+
+def differences(graph: dict, step: dict) -> dict:
+    captured, replay = replayed(graph), replayed(step)
+    return {
+        path: (captured.get(path), replay.get(path))
+        for path in captured.keys() | replay.keys()
+        if captured.get(path) != replay.get(path)
+    }
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "computed,num_reqs,num_tokens,uniform_capture",
+    [
+        ([252, 130, 600], 8, 16, False),  # captured on 8 + 8 tokens, then empty rows
+        ([252, 130, 600], 8, 64, True),  # on 8 rows of 8: the indexer's uniform kernel
+        ([600], 8, 8, False),  # one request
+    ],
+    ids=["padded", "uniform-capture", "one-request"],
+)
+def test_interpreted_a_compacted_step_writes_what_its_compact_graph_was_captured_on(
+    speculator, monkeypatch, computed, num_reqs, num_tokens, uniform_capture
+):
+    """Built for a FULL replay, a compacted decode step (placeholder host layout, device
+    token map, the indexer's variable rows) hands DeepSeek-V4's kernels the tensors their
+    graph was captured on (same addresses, shapes, strides) and the same host values
+    (every request a decode, T decode tokens, the indexer's flattened rows unpadded,
+    FlashMLA's plans to make), though the capture's indexer may have taken its uniform
+    kernel; the step's padded tokens attend nothing."""
+    graph, step, launched, batch = graph_and_step(
+        speculator, monkeypatch, computed, None, num_reqs, num_tokens, 1 + K
+    )
+    assert differences(graph, step) == {}
+    assert launched == (int(uniform_capture), 0)
+    index, swa = step["DEEPSEEK_V4_INDEXER"], step["DEEPSEEK_SPARSE_SWA"]
+    assert (index.num_decodes, index.num_decode_tokens) == (num_reqs, num_tokens)
+    assert graph["DEEPSEEK_V4_INDEXER"].max_seq_len == MAX_MODEL_LEN >= index.max_seq_len
+    real = batch.num_tokens  # R + B
+    assert len(computed) < real < num_tokens
+    assert index.decode.seq_lens[real:].eq(0).all() and swa.decode_swa_lens[real:].eq(0).all()
+    assert swa.token_to_req_indices[real:].eq(0).all()
+    assert int(index.decode.seq_lens[:real].min()) > 0
+
+
+@interpreted
+def test_interpreted_a_step_without_drafts_writes_what_its_one_token_graph_was_captured_on(
+    speculator, monkeypatch
+):
+    """A compacted step that admits no draft, padded to a one-token graph of 4 requests:
+    the same tensors and host values as that graph's capture (one token a request), but
+    for the indexer's ``requires_padding``, set by the step's empty padded row; the graph
+    keeps its capture's path, one indexer row per token, which is the step's layout too
+    (request r's one token is token r)."""
+    graph, step, launched, batch = graph_and_step(
+        speculator, monkeypatch, [252, 130, 600], 0, 4, 4, 1
+    )
+    assert differences(graph, step) == {
+        "DEEPSEEK_V4_INDEXER.decode.requires_padding": (False, True)
+    }
+    assert launched == (0, 0)
+    assert batch.num_tokens == 3
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 3, 3]
+    assert step["DEEPSEEK_V4_INDEXER"].decode.seq_lens.flatten().tolist()[3] == 0
+
+
+@interpreted
+def test_interpreted_a_step_without_drafts_reads_other_buffers_than_a_compact_graph(
+    speculator, monkeypatch
+):
+    """Why a compacted step that admits no draft does not replay a compact graph: the
+    indexer keeps per-request rows for it, its context lengths and block rows in other
+    tensors than the flattened ones the graph was captured on."""
+    graph, step, _, _ = graph_and_step(speculator, monkeypatch, [252, 130, 600], 0, 8, 16, 1 + K)
+    differing = differences(graph, step)
+    assert {
+        "DEEPSEEK_V4_INDEXER.decode.seq_lens",
+        "DEEPSEEK_V4_INDEXER.decode.block_table",
+        "DEEPSEEK_V4_INDEXER.decode.decode_lens",
+    } <= set(differing)
