@@ -235,5 +235,7 @@ def test_dsv4_greedy_lossless_compact_capacity_modes(dsv4_folder, nospec):
     admissions = {arm: result["admission"] for arm, result in results.items()}
     for arm, admission in admissions.items():
         decode_only = admission["steps"] - admission["mixed_steps"]
-        assert decode_only > 0 and admission["graph_steps"] == decode_only, (arm, admission)
+        assert admission["graph_steps"] == decode_only, (arm, admission)
+        # Arms that admit fewer drafts than proposed compact decode steps whatever the load.
+        assert decode_only > 0 or arm not in CUTTING_ARMS, (arm, admission)
     assert sum(admission["mixed_steps"] for admission in admissions.values()) > 0, admissions
