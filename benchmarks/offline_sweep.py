@@ -18,9 +18,10 @@ no confidence head, keep vLLM's rates). ``--pair embedded`` uses the trained pai
 real verification (DSpark arms only), on windows of its held-out text (``--prompts``).
 ``--pair dsv4-flash-reduced`` (or ``tiny-dsv4``) is a DeepSeek-V4 shape with dummy weights,
 served as vLLM 0.26.0 serves DeepSeek-V4 (``DSV4_ENGINE``; docs/design/deepseek-v4.md): its
-DSpark module is the target checkpoint's own (no "model" in the speculative config), and
-its capacity arms are the ``-masked`` ones (its attention backends refuse compact
-verification). Each row says how the arm verifies (``verify``: :func:`verification`).
+DSpark module is the target checkpoint's own (no "model" in the speculative config); its
+capacity arms verify compacted (on SM90 only: elsewhere its attention backends refuse
+compact verification, and the engine does not start) or masked (the ``-masked`` arms).
+Each row says how the arm verifies (``verify``: :func:`verification`).
 ``--greedy-check``: after an arm's timed rows, the first wave of each concurrency once
 more, untimed, its drafts accepted as the target's greedy choice (calibrated synthetic
 confidence switched off around it, :func:`accept_by_target`); each row's
@@ -687,18 +688,23 @@ def timeline_summary(steps: list[list[float]], requests: int) -> dict:
     }
 
 
-def shared_engine_plan(arms: list[str], sps_curve: str | None) -> tuple[dict, list]:
+def shared_engine_plan(
+    arms: list[str], sps_curve: str | None, deepseek_v4: bool = False
+) -> tuple[dict, list]:
     """Start-up options that prepare every capacity arm of one engine (compaction, depth
     graphs, the SPS profile, their common :func:`startup_options`) and, per arm, the
     options switched to (``dspark_`` prefix dropped). Masked arms without compact ones
-    start masked (a target whose attention refuses compact verification, DeepSeek-V4's,
-    would refuse the engine), with depth graphs only where one of them drafts by depth."""
-    start = {"dspark_capacity": "sps", "dspark_varlen_verify": True, "dspark_dynamic_depth": True}
+    start masked (a target whose attention refuses compact verification would refuse the
+    engine). An engine with compact arms captures depth graphs (any depth arm can then be
+    switched to); a masked one, or a DeepSeek-V4 one (``deepseek_v4``: its DSpark module
+    runs as its GPU tests run it, without them), only where one of its arms drafts by
+    depth."""
     verifies = {verification(ARMS[arm]) for arm in arms}
-    if "masked" in verifies and "compact" not in verifies:
-        start = {"dspark_capacity": "sps", "dspark_varlen_verify": False}
-        if any(ARMS[arm].get("dspark_dynamic_depth") for arm in arms):
-            start["dspark_dynamic_depth"] = True
+    masked_only = "masked" in verifies and "compact" not in verifies
+    start = {"dspark_capacity": "sps", "dspark_varlen_verify": not masked_only}
+    by_depth = any(ARMS[arm].get("dspark_dynamic_depth") for arm in arms)
+    if by_depth or not (masked_only or deepseek_v4):
+        start["dspark_dynamic_depth"] = True
     if ARMS[arms[0]].get("method") == "dflash":
         start["dspark_capacity"] = "acceptance"
     start |= startup_options(arms[0])
@@ -746,11 +752,13 @@ def startup_options(arm: str) -> dict:
     }
 
 
-def engine_runs(arms: list[str], shared_engine: bool, sps_curve: str | None) -> list[list]:
+def engine_runs(
+    arms: list[str], shared_engine: bool, sps_curve: str | None, deepseek_v4: bool = False
+) -> list[list]:
     """[label, start-up options, switches or None], one per engine, in the order of each
     engine's first arm. With ``shared_engine``, capacity arms with the same
     :func:`startup_options` share one engine (two or more of them; one alone runs as
-    itself)."""
+    itself; ``deepseek_v4``: :func:`shared_engine_plan`'s)."""
     groups: dict[str, list[str]] = {}
     for arm in arms:
         if shared_engine and "dspark_capacity" in (ARMS[arm] or {}):
@@ -761,22 +769,16 @@ def engine_runs(arms: list[str], shared_engine: bool, sps_curve: str | None) -> 
         if len(group) == 1:
             runs.append([arm, ARMS[arm], None])
         elif arm == group[0]:
-            runs.append(["+".join(group), *shared_engine_plan(group, sps_curve)])
+            runs.append(["+".join(group), *shared_engine_plan(group, sps_curve, deepseek_v4)])
     return runs
 
 
 def check_deepseek_v4_arms(parser: argparse.ArgumentParser, arms: list[str]) -> None:
-    """A DeepSeek-V4 shape drafts with its DSpark module only, and its attention backends
-    refuse compact verification: the -masked capacity arms, not the compact ones."""
-    refused = [
-        arm
-        for arm in arms
-        if verification(ARMS[arm]) == "compact" or (ARMS[arm] or {}).get("method") == "dflash"
-    ]
+    """A DeepSeek-V4 shape drafts with its DSpark module only: no DFlash arm."""
+    refused = [arm for arm in arms if (ARMS[arm] or {}).get("method") == "dflash"]
     if refused:
         parser.error(
-            f"DeepSeek-V4 shapes run DSpark verified masked (compact verification is refused "
-            f"on their attention backends: the -masked arms); not {', '.join(refused)}"
+            f"DeepSeek-V4 shapes draft with their DSpark module only; not {', '.join(refused)}"
         )
 
 
@@ -922,7 +924,7 @@ def main() -> int:
     else:
         paths = write_shape(args.pair, Path(tempfile.mkdtemp()), block=args.num_drafts)
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
-    runs = engine_runs(arms, args.shared_engine, curve)
+    runs = engine_runs(arms, args.shared_engine, curve, deepseek_v4=args.pair in DSV4)
     if args.mirror:
         runs = [[label, start, switch and switch + switch[::-1]] for label, start, switch in runs]
     if args.bracket:

@@ -20,6 +20,7 @@ import torch
 from triton_interpreter import interpreted, run_interpreted
 
 from vllm_dspark.capacity.controller import StepPlan
+from vllm_dspark.capacity.startup_checks import DSV4_COMPACTION_BACKENDS
 
 K = 7
 MAX_MODEL_LEN, BLOCK = 1024, 256  # DeepSeek-V4's KV blocks: 256 tokens
@@ -50,18 +51,26 @@ def speculator(plugin_speculator):
     )
 
 
-def stock_batch(computed, prompts, padded):
+def input_buffers():
+    """The runner's persistent input buffers."""
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+
+    return InputBuffers(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"))
+
+
+def stock_batch(computed, prompts, padded, buffers=None):
     """vLLM's batch of a verification step, host fields included: the decoding requests
     first (1 + K tokens each, context ``computed[r]``), then prompt chunks (context,
-    length), then ``padded`` empty rows (as a FULL graph pads them); ids 1000, 1001, ..."""
-    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+    length), then ``padded`` empty rows (as a FULL graph pads them); ids 1000, 1001, ...
+    Written into ``buffers`` (new ones by default)."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch
 
     decodes, num_reqs = len(computed), len(computed) + len(prompts)
     rows = num_reqs + padded
     lengths = [1 + K] * decodes + [n for _, n in prompts]
     starts = np.cumsum([0, *lengths]).astype(np.int32)
     total = int(starts[-1])
-    buffers = InputBuffers(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"))
+    buffers = input_buffers() if buffers is None else buffers
     batch = InputBatch.make_dummy(num_reqs, total, buffers)
     firsts = [*computed, *(c for c, _ in prompts)]
     positions = [firsts[r] + j for r in range(num_reqs) for j in range(lengths[r])]
@@ -93,17 +102,18 @@ def stock_batch(computed, prompts, padded):
     return batch, buffers
 
 
-def compacted_batch(speculator, case, survival):
+def compacted_batch(speculator, case, survival, buffers=None, budget=None):
     """The stock batch of ``case`` compacted as the runner's patch compacts it (the
-    controller admits the budget's most likely drafts of ``survival``); returns the batch,
-    its buffers and the step's plan."""
+    controller admits ``budget`` drafts, by default its own budget, the most likely ones
+    of ``survival``); returns the batch, its buffers and the step's plan."""
     from vllm_dspark.verify.layout import compact_input_batch
 
     computed, prompts, padded = case
-    batch, buffers = stock_batch(computed, prompts, padded)
+    batch, buffers = stock_batch(computed, prompts, padded, buffers)
     decodes = len(computed)
     speculator.controller.slot_survival[:decodes] = survival[:decodes]
-    budget = speculator.controller.admission_budget(decodes)
+    if budget is None:
+        budget = speculator.controller.admission_budget(decodes)
     plan = StepPlan(budget)
     if prompts:
         plan = StepPlan(budget, mixed=(decodes, batch.num_tokens - (decodes * K - budget)))
@@ -209,22 +219,28 @@ def group(name):
     )
 
 
-def prepare_attn(batch, groups, full_graph=False):
-    """vLLM's ``DefaultModelState.prepare_attn`` (with the plugin's wrapper) on ``batch``."""
+def prepare_attn(batch, groups, full_graph=False, tables=None):
+    """vLLM's ``DefaultModelState.prepare_attn`` (with the plugin's wrapper) on ``batch``;
+    its block table and slot mapping written into ``tables`` (:class:`BlockTables`) when
+    given, as the runner writes its persistent ones, else into new tensors."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    state = SimpleNamespace(
-        max_model_len=MAX_MODEL_LEN, supports_mm_inputs=False, encoder_cache=None
-    )
-    rows = batch.num_reqs_after_padding
-    block_tables = (block_table(rows),)
-    slots = slot_mapping(batch, batch.num_tokens_after_padding)
+    rows, num_tokens = batch.num_reqs_after_padding, batch.num_tokens_after_padding
+    block_tables, slots = (block_table(rows),), slot_mapping(batch, num_tokens)[None]
+    if tables is not None:
+        block_tables, slots = tables.write(block_tables[0], slots)
     mode = CUDAGraphMode.FULL if full_graph else CUDAGraphMode.PIECEWISE
-    config = SimpleNamespace(kv_cache_groups=[None])
     return DefaultModelState.prepare_attn(
-        state, batch, mode, block_tables, slots[None], [groups], config
+        MODEL_STATE, batch, mode, block_tables, slots, [groups], KV_CACHE_CONFIG
     )
+
+
+# What prepare_attn reads of vLLM's model state and KV-cache config.
+MODEL_STATE = SimpleNamespace(
+    max_model_len=MAX_MODEL_LEN, supports_mm_inputs=False, encoder_cache=None
+)
+KV_CACHE_CONFIG = SimpleNamespace(kv_cache_groups=[None])
 
 
 def block_table(rows):
@@ -490,20 +506,186 @@ def test_deepseek_v4_acceptance_takes_no_other_backend(monkeypatch):
         check_compaction_backends(groups, set())
 
 
-def test_deepseek_v4_compacted_steps_capture_no_compact_graphs(monkeypatch):
-    """This version runs DeepSeek-V4's compacted steps PIECEWISE (verify/compact_graphs.py)."""
-    import vllm.config
+# Compact FULL graphs.
 
-    from vllm_dspark.verify.compact_graphs import replays_varlen_graphs
+
+def graph_config(num_drafts=K, varlen_verify=True):
+    """What replays_varlen_graphs reads of a VllmConfig beside the layers."""
+    from vllm_dspark.config import ADDITIONAL_CONFIG_KEY
+
+    options = {"capacity": "sps", "varlen_verify": varlen_verify}
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_drafts),
+        additional_config={ADDITIONAL_CONFIG_KEY: options},
+    )
+
+
+@pytest.mark.parametrize(
+    "names,family,num_drafts,varlen_verify,reason",
+    [
+        (DSV4_COMPACTION_BACKENDS, 90, K, True, None),
+        (DSV4_COMPACTION_BACKENDS, 100, K, True, "on SM90 with 2 drafts or more"),
+        (DSV4_COMPACTION_BACKENDS, 90, 1, True, "on SM90 with 2 drafts or more"),  # no flattening
+        (DSV4_COMPACTION_BACKENDS, 90, K, False, "started with varlen_verify=false"),
+        (("DEEPSEEK_SPARSE_SWA", "FLASH_ATTN"), 90, K, True, "backends DEEPSEEK_SPARSE_SWA, FL"),
+    ],
+    ids=["hopper", "blackwell", "one-draft", "masked", "mixed-backends"],
+)
+def test_deepseek_v4_replays_compact_graphs_on_hopper_when_started_compact(
+    monkeypatch, names, family, num_drafts, varlen_verify, reason
+):
+    """Every layer (the draft's too) on DeepSeek-V4's backends, SM90, 2 drafts or more and
+    an engine started compact: compact graphs; otherwise none, and why is logged."""
+    import vllm.config
+    from vllm.platforms import current_platform
+
+    from vllm_dspark.verify import compact_graphs
 
     layers = {
-        name: SimpleNamespace(
-            get_attn_backend=lambda name=name: SimpleNamespace(get_name=lambda: name)
+        f"l{i}": SimpleNamespace(
+            get_attn_backend=lambda name=name: SimpleNamespace(get_name=lambda: name),
+            head_size=512,
         )
-        for name in ("FLASHMLA_SPARSE_DSV4", "DEEPSEEK_SPARSE_SWA", "DEEPSEEK_V4_INDEXER")
+        for i, name in enumerate(names)
     }
     monkeypatch.setattr(vllm.config, "get_layers_from_vllm_config", lambda config, kind: layers)
-    assert replays_varlen_graphs(None) is False
+    monkeypatch.setattr(current_platform, "is_device_capability_family", lambda c: c == family)
+    logged = []
+    monkeypatch.setattr(compact_graphs, "no_compact_graphs", logged.append)
+    config = graph_config(num_drafts, varlen_verify)
+    assert compact_graphs.replays_varlen_graphs(config) is (reason is None)
+    assert len(logged) == (reason is not None) and all(reason in line for line in logged)
+
+
+def graph_manager():
+    """What the graph patches read of vLLM's target graph manager: FULL decode graphs,
+    up to 4 requests of 1 + K tokens, capture sizes 1 to 32; vLLM's own uniform decode
+    graph of 2 requests listed."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    decode = BatchExecutionDescriptor(CUDAGraphMode.FULL, 16, 2, uniform_token_count=1 + K)
+    return SimpleNamespace(
+        vllm_config=None,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        dp_size=1,
+        decode_query_len=1 + K,
+        max_num_reqs=4,
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], max_cudagraph_capture_size=32
+        ),
+        _capture_descs={CUDAGraphMode.FULL: [decode]},
+        graphs={},
+    )
+
+
+def captured_layouts(monkeypatch, manager, attn_groups) -> dict:
+    """The graph patches' capture of ``manager``'s FULL graphs, vLLM's ``capture`` and
+    ``ModelCudaGraphManager.capture`` stood in for: {descriptor: its dummy batch's query
+    lengths}; every graph listed is captured."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    from vllm_dspark.patches import compact_graphs as graphs_patch
+    from vllm_dspark.patches import dsv4_compact
+
+    stock_make_dummy = InputBatch.make_dummy.__func__
+    wrapped = classmethod(graphs_patch._make_dummy_batch_wrapper(stock_make_dummy))
+    monkeypatch.setattr(InputBatch, "make_dummy", wrapped)
+    buffers = input_buffers()
+    layouts = {}
+
+    def create_forward_fn(desc, warmup):
+        batch = InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, buffers)
+        layouts[desc] = batch.num_scheduled_tokens.tolist()
+
+    def capture(manager, create_forward_fn):
+        for desc in manager._capture_descs[CUDAGraphMode.FULL]:
+            create_forward_fn(desc, warmup=False)
+            manager.graphs[desc] = "graph"
+
+    def model_capture(
+        manager, model, model_state, input_buffers, intermediate_tensors, block_tables,
+        attn_groups, kv_cache_config, has_lora=False,
+    ):  # fmt: skip
+        graphs_patch._make_capture_wrapper(capture)(manager, create_forward_fn)
+
+    dsv4_compact._make_capture_wrapper(model_capture)(
+        manager, None, None, buffers, None, None, attn_groups, None, has_lora=False
+    )
+    return layouts
+
+
+def test_deepseek_v4_captures_one_token_graphs_for_steps_that_admit_no_draft(monkeypatch):
+    """Beside the variable-length compact graphs (captured on queries of 1 + K), a
+    DeepSeek-V4 target captures one-token graphs up to max_num_seqs (on one token a
+    request, vLLM's plain decode layout); a compacted step that admits no draft replays
+    the smallest that holds its requests, any other compacted step a variable-length
+    graph, and a step without a one-token graph to take runs as vLLM runs a mixed batch.
+    A FlashAttention target captures no one-token graph."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_dspark.patches import compact_graphs as graphs_patch
+    from vllm_dspark.patches import compact_verification as patch
+
+    monkeypatch.setattr(graphs_patch, "replays_varlen_graphs", lambda vllm_config: True)
+    flash = graph_manager()
+    graphs_patch._make_candidates_wrapper(lambda m: None)(flash)
+    varlen = list(getattr(flash, graphs_patch.COMPACT_GRAPHS_ATTR))
+    flash_layouts = captured_layouts(monkeypatch, flash, [[group("FLASH_ATTN")]])
+    assert getattr(flash, graphs_patch.COMPACT_GRAPHS_ATTR) == varlen
+    assert all(desc.uniform_token_count != 1 for desc in flash_layouts)
+
+    manager = graph_manager()
+    graphs_patch._make_candidates_wrapper(lambda m: None)(manager)
+    layouts = captured_layouts(monkeypatch, manager, dsv4_groups())
+    compact = getattr(manager, graphs_patch.COMPACT_GRAPHS_ATTR)
+    kinds = [(d.num_tokens, d.num_reqs, d.uniform_token_count) for d in compact]
+    assert kinds == [
+        (1, 1, 1),
+        (2, 2, None),
+        (2, 2, 1),
+        (4, 4, None),
+        (4, 4, 1),
+        (8, 4, None),
+        (16, 4, None),
+        (32, 4, None),
+    ]
+    assert set(compact) <= set(manager._capture_descs[CUDAGraphMode.FULL])
+    assert {(d.num_tokens, d.uniform_token_count): lengths for d, lengths in layouts.items()} == {
+        (1, 1): [1],
+        (2, 1): [1, 1],
+        (4, 1): [1, 1, 1, 1],
+        (2, None): [2, 0],
+        (4, None): [4, 0, 0, 0],
+        (8, None): [8, 0, 0, 0],
+        (16, None): [8, 8, 0, 0],
+        (16, 1 + K): [8, 8],  # vLLM's own uniform decode graph, as vLLM lays it out
+        (32, None): [8, 8, 8, 8],
+    }
+
+    def stock_dispatch(manager, num_reqs, num_tokens, uniform, *args, **kw):
+        return ("stock", num_reqs, num_tokens, uniform), None
+
+    dispatch = patch._make_dispatch_wrapper(stock_dispatch)
+
+    def dispatched(num_reqs, budget):
+        token = patch._step_plan_var.set(StepPlan(budget))
+        try:
+            desc, _ = dispatch(manager, num_reqs, num_reqs * (1 + K), 1 + K, 1, 0)
+        finally:
+            patch._step_plan_var.reset(token)
+        if isinstance(desc, tuple):
+            return desc
+        return desc.num_tokens, desc.num_reqs, desc.uniform_token_count
+
+    assert dispatched(3, 0) == (4, 4, 1)  # no draft admitted: a one-token graph
+    assert dispatched(1, 0) == (1, 1, 1)
+    assert dispatched(2, 2) == (4, 4, None)  # 4 tokens, drafts among them: variable-length
+    assert dispatched(3, 1) == (4, 4, None)
+    assert dispatched(4, 9) == (16, 4, None)
+    del manager.graphs[compact[4]]  # the one-token graph of 4 was not captured
+    assert dispatched(3, 0) == ("stock", 3, 3, None)  # not a variable-length graph
 
 
 def test_compact_verification_applies_the_deepseek_v4_wrappers():
@@ -520,7 +702,7 @@ def test_compact_verification_applies_the_deepseek_v4_wrappers():
 
 
 def test_builders_under_triton_interpreter():
-    assert run_interpreted(__file__) == 2
+    assert run_interpreted(__file__) == 7
 
 
 def dsv4_attention_groups(monkeypatch):
@@ -671,3 +853,200 @@ def test_interpreted_builders_give_kept_tokens_their_uncompacted_metadata(
     first = compact_starts[1]  # request 0's kept tokens, from position 252
     assert got["c128a_decode"][1][:first].tolist() == [1, 1, 1, 2, 2, 2][:first]
     assert int(got["indexer_decode"][0].max()) > 0
+
+
+# What a compact graph replays: the four builders on its capture layout and on a
+# compacted step padded to it, under Triton's interpreter.
+
+
+class BlockTables:
+    """The runner's persistent block table and slot mapping (vLLM's ``BlockTables``): a
+    step writes its rows into them; the builders get views of their heads."""
+
+    def __init__(self):
+        self.block_table = torch.zeros(16, BLOCKS_PER_REQ, dtype=torch.int32)
+        self.slot_mapping = torch.full((1, 256), -1, dtype=torch.int64)
+
+    def write(self, table, slots):
+        rows, tokens = table.shape[0], slots.shape[1]
+        self.block_table[:rows] = table
+        self.slot_mapping.fill_(-1)  # vLLM pads past the step's tokens
+        self.slot_mapping[:, :tokens] = slots
+        return (self.block_table[:rows],), self.slot_mapping[:, :tokens]
+
+    def dummy(self, rows, tokens):
+        """For a capture, as get_dummy_block_tables and get_dummy_slot_mappings give them."""
+        self.slot_mapping.fill_(-1)
+        return (self.block_table[:rows],), self.slot_mapping[:, :tokens]
+
+
+def capture_metadata(groups, buffers, tables, num_reqs, num_tokens, query_len):
+    """What vLLM's capture of a FULL graph of ``num_tokens`` tokens and ``num_reqs``
+    requests builds (``prepare_inputs_to_capture``): its dummy batch, laid out by the
+    plugin's wrapper with queries of ``query_len``; slot mappings that write nowhere; the
+    attention metadata, built for capture."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vllm_dspark.patches import compact_graphs as graphs_patch
+
+    make_dummy = graphs_patch._make_dummy_batch_wrapper(InputBatch.make_dummy.__func__)
+    token = graphs_patch._capture_query_len_var.set(query_len)
+    try:
+        batch = make_dummy(InputBatch, num_reqs, num_tokens, buffers)
+    finally:
+        graphs_patch._capture_query_len_var.reset(token)
+    block_tables, slots = tables.dummy(num_reqs, num_tokens)
+    return DefaultModelState.prepare_attn(
+        MODEL_STATE,
+        batch,
+        CUDAGraphMode.NONE,
+        block_tables,
+        slots,
+        [groups],
+        KV_CACHE_CONFIG,
+        for_capture=True,
+    )
+
+
+# Values of the builders' output that no kernel of a decode-only graph reads: the host
+# query offsets and longest query (read for prompts, models/deepseek_v4/nvidia/
+# flashmla.py:260-323), and the longest sequence, which the capture takes as max_model_len
+# (model_states/default.py, for_capture) where the indexer's top-k reads it
+# (model_executor/layers/sparse_attn_indexer.py:613-620): a bound on every replay's.
+NOT_READ_BY_GRAPHS = ("query_start_loc_cpu", "max_query_len", "max_seq_len")
+
+
+def replayed(metadata: dict) -> dict:
+    """{field path: what a graph replay takes of it}: a tensor by address, shape, strides
+    and dtype (its contents are rewritten before each replay); a FlashMLA tile plan by its
+    presence (made inside the graph, from those tensors); any other value as it is (fixed
+    at capture)."""
+    flat = {}
+
+    def walk(value, path):
+        if path.rsplit(".", 1)[-1] in NOT_READ_BY_GRAPHS:
+            return
+        if isinstance(value, torch.Tensor):
+            flat[path] = (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
+        elif dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name), f"{path}.{field.name}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}")
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(item, f"{path}.{index}")
+        elif isinstance(value, SimpleNamespace):  # FlashMLA's planner is stubbed by one
+            flat[path] = "tile plan"
+        else:
+            flat[path] = value
+
+    for name, value in metadata.items():
+        walk(value, name)
+    return flat
+
+
+def graph_and_step(speculator, monkeypatch, computed, budget, num_reqs, num_tokens, query_len):
+    """The four builders' metadata captured for a graph (``num_tokens``, ``num_reqs``,
+    queries of ``query_len``), then that of a compacted decode step of ``computed``
+    contexts admitting ``budget`` drafts (the controller's own when None), padded to the
+    graph, built in the same persistent buffers; the uniform indexer kernel's launches
+    during each; and the step's batch."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    groups = dsv4_attention_groups(monkeypatch)
+    launches = KernelLaunches(indexer._prepare_uniform_decode_kernel)
+    monkeypatch.setattr(indexer, "_prepare_uniform_decode_kernel", launches)
+    buffers, tables = input_buffers(), BlockTables()
+    graph = capture_metadata(groups, buffers, tables, num_reqs, num_tokens, query_len)
+    graph_launches = len(launches.grids)
+    case = (computed, [], num_reqs - len(computed))
+    step, _, plan = compacted_batch(speculator, case, survivals(1), buffers, budget)
+    step = dataclasses.replace(step, num_tokens_after_padding=num_tokens)
+    with running(plan):
+        metadata = prepare_attn(step, groups, full_graph=True, tables=tables)
+    launched = (graph_launches, len(launches.grids) - graph_launches)
+    return graph, metadata, launched, step
+
+
+def differences(graph: dict, step: dict) -> dict:
+    captured, replay = replayed(graph), replayed(step)
+    return {
+        path: (captured.get(path), replay.get(path))
+        for path in captured.keys() | replay.keys()
+        if captured.get(path) != replay.get(path)
+    }
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "computed,num_reqs,num_tokens,uniform_capture",
+    [
+        ([252, 130, 600], 8, 16, False),  # captured on 8 + 8 tokens, then empty rows
+        ([252, 130, 600], 8, 64, True),  # on 8 rows of 8: the indexer's uniform kernel
+        ([600], 8, 8, False),  # one request
+    ],
+    ids=["padded", "uniform-capture", "one-request"],
+)
+def test_interpreted_a_compacted_step_writes_what_its_compact_graph_was_captured_on(
+    speculator, monkeypatch, computed, num_reqs, num_tokens, uniform_capture
+):
+    """Built for a FULL replay, a compacted decode step (placeholder host layout, device
+    token map, the indexer's variable rows) hands DeepSeek-V4's kernels the tensors their
+    graph was captured on (same addresses, shapes, strides) and the same host values
+    (every request a decode, T decode tokens, the indexer's flattened rows unpadded,
+    FlashMLA's plans to make), though the capture's indexer may have taken its uniform
+    kernel; the step's padded tokens attend nothing."""
+    graph, step, launched, batch = graph_and_step(
+        speculator, monkeypatch, computed, None, num_reqs, num_tokens, 1 + K
+    )
+    assert differences(graph, step) == {}
+    assert launched == (int(uniform_capture), 0)
+    index, swa = step["DEEPSEEK_V4_INDEXER"], step["DEEPSEEK_SPARSE_SWA"]
+    assert (index.num_decodes, index.num_decode_tokens) == (num_reqs, num_tokens)
+    assert graph["DEEPSEEK_V4_INDEXER"].max_seq_len == MAX_MODEL_LEN >= index.max_seq_len
+    real = batch.num_tokens  # R + B
+    assert len(computed) < real < num_tokens
+    assert index.decode.seq_lens[real:].eq(0).all() and swa.decode_swa_lens[real:].eq(0).all()
+    assert swa.token_to_req_indices[real:].eq(0).all()
+    assert int(index.decode.seq_lens[:real].min()) > 0
+
+
+@interpreted
+def test_interpreted_a_step_without_drafts_writes_what_its_one_token_graph_was_captured_on(
+    speculator, monkeypatch
+):
+    """A compacted step that admits no draft, padded to a one-token graph of 4 requests:
+    the same tensors and host values as that graph's capture (one token a request), but
+    for the indexer's ``requires_padding``, set by the step's empty padded row; the graph
+    keeps its capture's path, one indexer row per token, which is the step's layout too
+    (request r's one token is token r)."""
+    graph, step, launched, batch = graph_and_step(
+        speculator, monkeypatch, [252, 130, 600], 0, 4, 4, 1
+    )
+    assert differences(graph, step) == {
+        "DEEPSEEK_V4_INDEXER.decode.requires_padding": (False, True)
+    }
+    assert launched == (0, 0)
+    assert batch.num_tokens == 3
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 3, 3]
+    assert step["DEEPSEEK_V4_INDEXER"].decode.seq_lens.flatten().tolist()[3] == 0
+
+
+@interpreted
+def test_interpreted_a_step_without_drafts_reads_other_buffers_than_a_compact_graph(
+    speculator, monkeypatch
+):
+    """Why a compacted step that admits no draft does not replay a compact graph: the
+    indexer keeps per-request rows for it, its context lengths and block rows in other
+    tensors than the flattened ones the graph was captured on."""
+    graph, step, _, _ = graph_and_step(speculator, monkeypatch, [252, 130, 600], 0, 8, 16, 1 + K)
+    differing = differences(graph, step)
+    assert {
+        "DEEPSEEK_V4_INDEXER.decode.seq_lens",
+        "DEEPSEEK_V4_INDEXER.decode.block_table",
+        "DEEPSEEK_V4_INDEXER.decode.decode_lens",
+    } <= set(differing)

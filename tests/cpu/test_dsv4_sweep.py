@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import offline_sweep  # noqa: E402
 
 DSV4_ARMS = "nospec,dspark,sps-masked,acceptance-masked"
+STAGE_ARMS = "nospec,dspark,sps-masked,sps"  # gpu_stage.sh's dsv4 stage
 
 
 class FakeEngine:
@@ -137,24 +138,79 @@ def test_a_dsv4_sweep_serves_the_shape_as_vllm_does_and_marks_each_row(
     assert table["acceptance-masked", 1]["greedy_identical"] is None
 
 
-def test_a_dsv4_sweep_refuses_compact_and_dflash_arms(fake_popen, monkeypatch, tmp_path):
-    for arms in ("nospec,sps", "dspark,dflash", "budget", "acceptance"):
+def test_a_dsv4_sweep_refuses_dflash_arms_and_takes_compact_ones(fake_popen, monkeypatch, tmp_path):
+    for arms in ("dspark,dflash", "dflash"):
         argv = ["offline_sweep.py", "--pair", "tiny-dsv4", "--arms", arms]
         monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path / "o.json")])
         with pytest.raises(SystemExit):
             offline_sweep.main()
     assert fake_popen.specs == []
-    # The masked arms alone, and the Qwen3 shapes' compact arms unchanged.
+    # The masked arms alone, the compact ones (DeepSeek-V4 compacts on SM90), and the
+    # Qwen3 shapes' compact arms unchanged.
     assert sweep(monkeypatch, tmp_path, "--pair", "tiny-dsv4", "--arms", "sps-masked") == []
+    assert sweep(monkeypatch, tmp_path, "--pair", "tiny-dsv4", "--arms", "nospec,sps,budget") == []
+    assert [spec["options"] for spec in fake_popen.specs[1:]] == [
+        None,
+        offline_sweep.ARMS["sps"],
+        offline_sweep.ARMS["budget"],
+    ]
     start, _ = offline_sweep.shared_engine_plan(["sps", "sps-masked"], None)
     assert start["dspark_varlen_verify"] and start["dspark_dynamic_depth"]
 
 
-def test_a_dsv4_engine_builds_the_config_vllm_serves(vllm_cpu, monkeypatch, tmp_path):
-    """The engine process's LLM() arguments for the shared masked engine make a config vLLM
-    0.26.0 and the plugin accept: an FP8 KV cache in blocks of 256, the drafter from the
-    target's folder, masked sps with synthetic confidence; every arm switched to, the
-    sweep's and the GPU losslessness test's, is valid options beside it, verified masked."""
+def test_a_dsv4_shared_engine_with_compact_arms_starts_compact_without_depth_graphs(
+    fake_popen, monkeypatch, tmp_path
+):
+    """The dsv4 stage's arms: masked and compact sps in one engine, started compact (as
+    the GPU losslessness test starts its compact arms) and without depth graphs, which no
+    arm drafts by; each row says how its arm verifies."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    from test_dsv4_lossless_gpu import COMPACT_START
+
+    def lines(spec):
+        names = [name for name, _ in spec["switch"]] if spec["switch"] else [None]
+        return [
+            row_line({"concurrency": 1, "tok_s": 1.0} | ({"arm": n} if n else {})) for n in names
+        ]
+
+    fake_popen.lines = lines
+    rows = sweep(
+        monkeypatch, tmp_path, "--pair", "tiny-dsv4", "--arms", STAGE_ARMS, "--shared-engine"
+    )
+    shared = fake_popen.specs[-1]
+    assert (
+        shared["options"]
+        == COMPACT_START
+        == {
+            "dspark_capacity": "sps",
+            "dspark_varlen_verify": True,
+        }
+    )
+    assert shared["switch"] == [
+        ["sps-masked", {"capacity": "sps", "varlen_verify": False}],
+        ["sps", {"capacity": "sps", "varlen_verify": True}],
+    ]
+    assert {row["arm"]: row["verify"] for row in rows} == {
+        "nospec": "none",
+        "dspark": "none",
+        "sps-masked": "masked",
+        "sps": "compact",
+    }
+    # A depth arm among them still gets its depth graphs.
+    start, _ = offline_sweep.shared_engine_plan(["sps", "sps-depth"], None, deepseek_v4=True)
+    assert start["dspark_dynamic_depth"]
+
+
+@pytest.mark.parametrize("arms,compact", [(DSV4_ARMS, False), (STAGE_ARMS, True)])
+def test_a_dsv4_engine_builds_the_config_vllm_serves(
+    vllm_cpu, monkeypatch, tmp_path, arms, compact
+):
+    """The engine process's LLM() arguments for a shared engine (of the masked arms, or of
+    the dsv4 stage's, started compact) make a config vLLM 0.26.0 and the plugin accept: an
+    FP8 KV cache in blocks of 256, the drafter from the target's folder, sps with
+    synthetic confidence, verified as the engine starts; every arm switched to, the
+    sweep's and the GPU losslessness test's that start so, is valid options beside it,
+    verified masked or compacted as it says."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
@@ -162,15 +218,14 @@ def test_a_dsv4_engine_builds_the_config_vllm_serves(vllm_cpu, monkeypatch, tmp_
     from vllm_dspark.config import DSparkOptions
 
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
-    from test_dsv4_lossless_gpu import MASKED_SWITCH
+    from test_dsv4_lossless_gpu import COMPACT_SWITCH, MASKED_SWITCH
 
     vllm_dspark.register()
     for name in [n for n in os.environ if n.startswith("VLLM_DSPARK_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the engine sets it
     folder = offline_sweep.write_deepseek_v4_shape("tiny-dsv4", tmp_path)
-    arms = DSV4_ARMS.split(",")[2:]
-    start, switch = offline_sweep.shared_engine_plan(arms, None)
+    start, switch = offline_sweep.shared_engine_plan(arms.split(",")[2:], None, deepseek_v4=True)
     spec = {
         "target": folder,
         "draft": None,
@@ -202,12 +257,14 @@ def test_a_dsv4_engine_builds_the_config_vllm_serves(vllm_cpu, monkeypatch, tmp_
     assert config.speculative_config.model == folder
     assert config.speculative_config.draft_model_config.architectures == ["DSparkDraftModel"]
     options = DSparkOptions.from_vllm_config(config)
-    assert options.capacity == "sps" and options.varlen_verify is False
-    assert options.synthetic_confidence is not None
+    assert options.capacity == "sps" and options.varlen_verify is compact
+    assert options.synthetic_confidence is not None and not options.dynamic_depth
     kept = options.non_default()
-    for arm, updates in switch + MASKED_SWITCH:
+    for arm, updates in switch + (COMPACT_SWITCH if compact else MASKED_SWITCH):
         switched = DSparkOptions.model_validate(kept | updates)
-        assert switched.varlen_verify is False and switched.capacity != "off", arm
+        verify = offline_sweep.verification({"dspark_" + k: v for k, v in updates.items()})
+        assert switched.varlen_verify is (verify == "compact"), arm
+        assert switched.capacity != "off", arm
         assert switched.synthetic_confidence == options.synthetic_confidence
 
 
@@ -440,9 +497,10 @@ def test_the_dsv4_lossless_stage_exits_with_pytests_status(stage):
 def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
     stage, monkeypatch, tmp_path
 ):
-    """Its command is one offline_sweep accepts for the shape (run here on fake engines),
-    with vLLM's uniform random routing; the third and fourth arguments replace the arms
-    and concurrencies."""
+    """Its command is one offline_sweep accepts for the shape (run here on fake engines):
+    no speculation, stock DSpark, and sps verified masked and compacted in one shared
+    engine, with vLLM's uniform random routing; the third and fourth arguments replace
+    the arms and concurrencies."""
     returncode, _, calls = stage("dsv4", "abc")
     assert returncode == 0 and calls[0] == "check"
     command, routing = calls[1].split("|")
@@ -462,3 +520,6 @@ def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
     assert engines.specs[0]["target"].endswith("dsv4-flash-reduced")
     assert [spec["options"] for spec in engines.specs][:2] == [None, {}]
     assert engines.specs[0]["concurrency"] == [1, 16, 64, 256]
+    (shared,) = engines.specs[2:]  # sps masked and compacted
+    assert shared["options"] == {"dspark_capacity": "sps", "dspark_varlen_verify": True}
+    assert [name for name, _ in shared["switch"]] == STAGE_ARMS.split(",")[2:]

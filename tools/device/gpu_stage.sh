@@ -115,7 +115,7 @@
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
-#            no speculation, stock DSpark k=7, sps and acceptance verified masked (one
+#            no speculation, stock DSpark k=7, sps verified masked and compacted (one
 #            shared engine), graphs to 2,048 tokens, at 1, 16, 64, 256 requests, each arm's
 #            greedy outputs checked against no speculation's (--greedy-check); rows
 #            {shape, arm, verify, concurrency, tok_s, greedy_identical, ...} in
@@ -421,7 +421,7 @@ import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
     # balanced random routing instead, which changes no output (the experts are zero).
     export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random
     timeout 3600 python3 benchmarks/offline_sweep.py --pair dsv4-flash-reduced --acceptance confidence \
-      --arms "${3:-nospec,dspark,sps-masked,acceptance-masked}" --shared-engine \
+      --arms "${3:-nospec,dspark,sps-masked,sps}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
       --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
     ;;

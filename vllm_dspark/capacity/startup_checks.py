@@ -79,7 +79,7 @@ def check_compaction_backends(attn_groups, draft_layer_names) -> None:
     chosen on the GPU, from device-side query offsets and upper bounds on the host:
     FlashAttention (2 or 3) and Triton attention do, and DeepSeek-V4's backends on SM90
     with the plugin's wrappers. (FULL graphs of such batches are captured for
-    FlashAttention 3 alone: :mod:`vllm_dspark.verify.compact_graphs`.)"""
+    FlashAttention 3 and DeepSeek-V4's backends: :mod:`vllm_dspark.verify.compact_graphs`.)"""
     target = [
         group
         for groups in attn_groups

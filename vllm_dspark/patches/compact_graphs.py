@@ -3,11 +3,14 @@
 What: wraps ``ModelCudaGraphManager._init_candidates`` of
 ``vllm.v1.worker.gpu.cudagraph_utils``, which lists the target's graphs to capture, to
 add the compact graphs of :mod:`vllm_dspark.verify.compact_graphs` beside vLLM's own
-(only when its cudagraph mode has FULL decode graphs, data parallelism is off and every
-attention layer runs FlashAttention 3); ``CudaGraphManager.capture``, which captures
-them; and ``InputBatch.make_dummy`` of ``vllm.v1.worker.gpu.input_batch``, whose dummy
-batch a compact graph is captured on with queries of up to 1 + K tokens
-(:func:`~vllm_dspark.verify.compact_graphs.capture_query_lengths`).
+(only when its cudagraph mode has FULL decode graphs, data parallelism is off and the
+attention replays them:
+:func:`~vllm_dspark.verify.compact_graphs.replays_varlen_graphs`);
+``CudaGraphManager.capture``, which captures them; and ``InputBatch.make_dummy`` of
+``vllm.v1.worker.gpu.input_batch``, whose dummy batch a compact graph is captured on with
+queries of up to 1 + K tokens
+(:func:`~vllm_dspark.verify.compact_graphs.capture_query_lengths`; one token each for the
+one-token graphs :mod:`~vllm_dspark.patches.dsv4_compact` adds).
 Why: a compacted step's per-request query lengths are chosen on the device, so none of
 vLLM 0.26.0's uniform-decode graphs applies, and its mixed-batch PIECEWISE graphs run
 attention eagerly between the pieces.
@@ -31,14 +34,17 @@ from vllm_dspark.patches.wrapping import wrap
 from vllm_dspark.verify.compact_graphs import (
     capture_query_lengths,
     compact_graph_descriptors,
+    no_compact_graphs,
     replays_varlen_graphs,
 )
 
 GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
 BATCH_MODULE = "vllm.v1.worker.gpu.input_batch"
-# Set on the target's graph manager: its FULL variable-length descriptors, smallest first.
+# Set on the target's graph manager: its FULL descriptors for compacted steps, smallest
+# first (variable-length ones; with DeepSeek-V4's backends one-token ones too).
 COMPACT_GRAPHS_ATTR = "dspark_compact_graphs"
-# While a compact graph's inputs are prepared for capture: its longest query (1 + K).
+# While a compact graph's inputs are prepared for capture: its longest query (1 + K; 1
+# for a one-token graph).
 _capture_query_len_var: ContextVar[int | None] = ContextVar(
     "vllm_dspark_capture_query_len", default=None
 )
@@ -48,13 +54,13 @@ def _make_candidates_wrapper(init_candidates):
     def init_candidates_with_compact_graphs(manager):
         init_candidates(manager)
         sizes = manager.compilation_config.cudagraph_capture_sizes
-        if (
-            manager.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL
-            or manager.dp_size > 1
-            or manager.decode_query_len < 2
-            or not sizes
-            or not replays_varlen_graphs(manager.vllm_config)
-        ):
+        if manager.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL or not sizes:
+            no_compact_graphs(f"no FULL decode graphs, cudagraph_mode={manager.cudagraph_mode}")
+            return
+        if manager.dp_size > 1:
+            no_compact_graphs("data parallelism")
+            return
+        if manager.decode_query_len < 2 or not replays_varlen_graphs(manager.vllm_config):
             return
         compact = compact_graph_descriptors(
             sizes,
@@ -62,12 +68,21 @@ def _make_candidates_wrapper(init_candidates):
             manager.decode_query_len - 1,
             manager.compilation_config.max_cudagraph_capture_size,
         )
-        full = manager._capture_descs.setdefault(CUDAGraphMode.FULL, [])
-        full += [desc for desc in compact if desc not in full]
-        full.sort(key=lambda desc: desc.num_tokens, reverse=True)  # vLLM's capture order
-        setattr(manager, COMPACT_GRAPHS_ATTR, compact)
+        add_compact_graphs(manager, compact)
 
     return init_candidates_with_compact_graphs
+
+
+def add_compact_graphs(manager, descriptors) -> None:
+    """List ``descriptors`` among the manager's compact graphs and the FULL graphs it
+    captures (those vLLM lists already once)."""
+    compact = getattr(manager, COMPACT_GRAPHS_ATTR, [])
+    compact += [desc for desc in descriptors if desc not in compact]
+    compact.sort(key=lambda desc: desc.num_tokens)
+    full = manager._capture_descs.setdefault(CUDAGraphMode.FULL, [])
+    full += [desc for desc in compact if desc not in full]
+    full.sort(key=lambda desc: desc.num_tokens, reverse=True)  # vLLM's capture order
+    setattr(manager, COMPACT_GRAPHS_ATTR, compact)
 
 
 def _make_capture_wrapper(capture):
@@ -77,7 +92,9 @@ def _make_capture_wrapper(capture):
             return capture(manager, create_forward_fn, *args, **kwargs)
 
         def create_forward_fn_for(desc, warmup):
-            query_len = manager.decode_query_len if desc in compact else None
+            query_len = None
+            if desc in compact:
+                query_len = desc.uniform_token_count or manager.decode_query_len
             token = _capture_query_len_var.set(query_len)
             try:
                 return create_forward_fn(desc, warmup)

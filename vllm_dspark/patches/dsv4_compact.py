@@ -2,7 +2,8 @@
 
 What: three wrappers, active only while a compacted step (not a masked one) builds its
 attention metadata for a target whose attention groups include a DeepSeek-V4 backend
-(:data:`~vllm_dspark.capacity.startup_checks.DSV4_COMPACTION_BACKENDS`):
+(:data:`~vllm_dspark.capacity.startup_checks.DSV4_COMPACTION_BACKENDS`), and one at
+graph capture:
 ``DefaultModelState.prepare_attn`` (``vllm.v1.worker.gpu.model_states.default``) hands
 the builders a copy of the batch whose host query offsets and counts are the placeholder
 layout of :mod:`vllm_dspark.verify.host_layout` (the runner's own batch is unchanged);
@@ -11,11 +12,17 @@ tokens to requests from the device query offsets into the caller's persistent bu
 not from the host offsets; ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors``
 (``vllm.v1.attention.backends.mla.indexer``) takes its flattened variable-length branch,
 whose rows follow the device query lengths. No host sync is added.
+``ModelCudaGraphManager.capture`` (``vllm.v1.worker.gpu.cudagraph_utils``) adds, where the
+target has compact graphs (:mod:`vllm_dspark.patches.compact_graphs`), one-token FULL
+graphs for the compacted steps that admit no draft.
 Why: in vLLM 0.26.0 these builders read per-request query lengths on the host: the
 decode/prefill split, the token-to-request map of the sliding-window, compressor and
 ratio-128 metadata, and the indexer's choice of a uniform layout (request = token //
 (1 + K)). A compacted batch's lengths are chosen on the GPU, so the stock host layout
-(1 + K per decoding request) would silently misplace tokens.
+(1 + K per decoding request) would silently misplace tokens. A step that admits no draft
+has one token a request, where the indexer writes per-request rows (and its compressed
+lengths) into other buffers than the flattened rows a compact graph was captured on: it
+replays a graph captured on one-token rows, as vLLM's plain decode steps would.
 Upstream: vllm-project/vllm#47808 (adaptive verification writes a host placeholder
 layout) and #52795 (DeepSeek-V4 on Hopper: indexer rows from device lengths), after 0.26.0.
 Remove when: the pinned vLLM verifies a device-chosen subset of drafts on DeepSeek-V4.
@@ -26,13 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from contextvars import ContextVar
 
 import torch
 
 from vllm_dspark.capacity.startup_checks import DSV4_COMPACTION_BACKENDS
-from vllm_dspark.patches import compact_verification
+from vllm_dspark.patches import compact_graphs, compact_verification
 from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
+from vllm_dspark.verify.compact_graphs import one_token_graph_descriptors
 from vllm_dspark.verify.host_layout import (
     placeholder_query_lens,
     placeholder_query_start_loc,
@@ -42,6 +51,7 @@ from vllm_dspark.verify.host_layout import (
 MODEL_STATE_MODULE = "vllm.v1.worker.gpu.model_states.default"
 BACKEND_MODULE = "vllm.v1.attention.backend"
 INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
+GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
 # True while a compacted step's DeepSeek-V4 attention metadata is being built.
 _compacted_var: ContextVar[bool] = ContextVar("vllm_dspark_dsv4_compacted", default=False)
 
@@ -135,6 +145,26 @@ def _make_decode_rows_wrapper(prepare_decode_tensors):
     return prepare_decode_tensors_varlen
 
 
+def _make_capture_wrapper(capture):
+    signature = inspect.signature(capture)
+
+    def capture_with_one_token_graphs(manager, *args, **kwargs):
+        attn_groups = signature.bind(manager, *args, **kwargs).arguments["attn_groups"]
+        if getattr(manager, compact_graphs.COMPACT_GRAPHS_ATTR, None) and reads_host_layout(
+            attn_groups
+        ):
+            config = manager.compilation_config
+            one_token = one_token_graph_descriptors(
+                config.cudagraph_capture_sizes,
+                manager.max_num_reqs,
+                config.max_cudagraph_capture_size,
+            )
+            compact_graphs.add_compact_graphs(manager, one_token)
+        return capture(manager, *args, **kwargs)
+
+    return capture_with_one_token_graphs
+
+
 def is_applied() -> bool:
     model_state = importlib.import_module(MODEL_STATE_MODULE).DefaultModelState
     return hasattr(model_state.prepare_attn, ORIGINAL_ATTR)
@@ -147,3 +177,5 @@ def apply() -> None:
     wrap(metadata, "token_to_req_indices", _make_token_map_wrapper)
     indexer = importlib.import_module(INDEXER_MODULE).DeepseekV32IndexerMetadataBuilder
     wrap(indexer, "_prepare_decode_tensors", _make_decode_rows_wrapper)
+    graphs = importlib.import_module(GRAPHS_MODULE).ModelCudaGraphManager
+    wrap(graphs, "capture", _make_capture_wrapper)
