@@ -110,8 +110,9 @@
 #            concurrencies
 #   dsv4-lossless  the tiny-dsv4 shape (DeepSeek-V4, its own DSpark module, bf16 with FP8
 #            linears, dummy weights): greedy outputs of stock DSpark k=7 and of every
-#            capacity mode verified masked (one engine, switched) against no speculation
-#            (tests/gpu/test_dsv4_lossless_gpu.py; three engines); queue it as
+#            capacity mode verified masked (one engine, switched), then compacted with FULL
+#            compact graphs (another engine), against no speculation
+#            (tests/gpu/test_dsv4_lossless_gpu.py; four engines); queue it as
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
