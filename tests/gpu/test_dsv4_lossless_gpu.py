@@ -164,29 +164,37 @@ def check_lossless(results: dict, nospec: dict) -> None:
         assert 0 < admission["admitted"] < admission["proposed"], (arm, admission)
 
 
-@pytest.mark.gpu
-def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder, nospec):
+def result_writer(name: str, command: str, arms: str, nospec: dict):
+    """A function writing ``name`` (under DSPARK_RESULTS_DIR) with the setup, no
+    speculation's spread and the results it is given."""
     record = {
         "setup": {
             "target": "tiny-dsv4 DeepSeek-V4 (5 layers, hidden 1024, 16 experts), dummy "
             "weights, its DSpark module (3 layers) from the same checkpoint",
             "engine": DSV4_ENGINE | {"dtype": "bfloat16 (FP8 linears)"},
-            "arms": "stock DSpark k=7; "
-            + ", ".join(name for name, _ in MASKED_SWITCH)
-            + " verified masked, switched in one engine, synthetic confidence, drafts "
-            "accepted as the target chooses",
+            "arms": arms,
             "sampling": "greedy",
         },
         "nospec": nospec["spread"],
     }
 
     def save(results: dict) -> None:
-        write_result(
-            "dsv4_lossless_gpu.json",
-            "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dsv4_lossless_gpu.py",
-            record | {"result": results},
-        )
+        write_result(name, command, record | {"result": results})
 
+    return save
+
+
+@pytest.mark.gpu
+def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder, nospec):
+    save = result_writer(
+        "dsv4_lossless_gpu.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dsv4_lossless_gpu.py",
+        "stock DSpark k=7; "
+        + ", ".join(name for name, _ in MASKED_SWITCH)
+        + " verified masked, switched in one engine, synthetic confidence, drafts "
+        "accepted as the target chooses",
+        nospec,
+    )
     save({})
     check_nospec(nospec)
     results = {"dspark": compared(run(dsv4_folder, {}), nospec["out"])}
@@ -203,28 +211,16 @@ def test_dsv4_greedy_lossless_compact_capacity_modes(dsv4_folder, nospec):
     """Issue #59: the capacity modes verified compacted. Every compacted decode step (one
     without prompts) replayed a FULL graph, counted per arm; some steps carried prompts
     (those run PIECEWISE)."""
-    record = {
-        "setup": {
-            "target": "tiny-dsv4 DeepSeek-V4 (5 layers, hidden 1024, 16 experts), dummy "
-            "weights, its DSpark module (3 layers) from the same checkpoint",
-            "engine": DSV4_ENGINE | {"dtype": "bfloat16 (FP8 linears)"},
-            "arms": ", ".join(name for name, _ in COMPACT_SWITCH)
-            + " verified compacted, switched in one engine, synthetic confidence, drafts "
-            "accepted as the target chooses; compacted decode steps from FULL graphs "
-            "(admission: graph_steps = steps - mixed_steps; proposals_skipped: proposals the "
-            "draft gate skipped, whose steps admit no draft and take one-token graphs)",
-            "sampling": "greedy",
-        },
-        "nospec": nospec["spread"],
-    }
-
-    def save(results: dict) -> None:
-        write_result(
-            "dsv4_compact_lossless_gpu.json",
-            "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dsv4_lossless_gpu.py -k compact",
-            record | {"result": results},
-        )
-
+    save = result_writer(
+        "dsv4_compact_lossless_gpu.json",
+        "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_dsv4_lossless_gpu.py -k compact",
+        ", ".join(name for name, _ in COMPACT_SWITCH)
+        + " verified compacted, switched in one engine, synthetic confidence, drafts "
+        "accepted as the target chooses; compacted decode steps from FULL graphs "
+        "(admission: graph_steps = steps - mixed_steps; proposals_skipped: proposals the "
+        "draft gate skipped, whose steps admit no draft and take one-token graphs)",
+        nospec,
+    )
     save({})
     check_nospec(nospec)
     results = capacity_arms(dsv4_folder, COMPACT_START, COMPACT_SWITCH, nospec)
