@@ -692,10 +692,22 @@ def test_compact_verification_applies_the_deepseek_v4_wrappers():
     import importlib
 
     from vllm_dspark.patches import compact_verification, dsv4_compact
+    from vllm_dspark.patches.wrapping import ORIGINAL_ATTR
 
     importlib.import_module(compact_verification.RUNNER_MODULE)
     compact_verification.apply()  # as building a capacity speculator does in a worker
-    assert dsv4_compact.is_applied()
+    wrapped = {
+        dsv4_compact.MODEL_STATE_MODULE: ("DefaultModelState", "prepare_attn"),
+        dsv4_compact.BACKEND_MODULE: ("CommonAttentionMetadata", "token_to_req_indices"),
+        dsv4_compact.INDEXER_MODULE: (
+            "DeepseekV32IndexerMetadataBuilder",
+            "_prepare_decode_tensors",
+        ),
+        dsv4_compact.GRAPHS_MODULE: ("ModelCudaGraphManager", "capture"),
+    }
+    for module, (owner, method) in wrapped.items():
+        cls = getattr(importlib.import_module(module), owner)
+        assert hasattr(getattr(cls, method), ORIGINAL_ATTR), (owner, method)
 
 
 # The four builders under Triton's interpreter.

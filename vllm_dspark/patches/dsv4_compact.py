@@ -40,7 +40,7 @@ import torch
 
 from vllm_dspark.capacity.startup_checks import DSV4_COMPACTION_BACKENDS
 from vllm_dspark.patches import compact_graphs, compact_verification
-from vllm_dspark.patches.wrapping import ORIGINAL_ATTR, wrap
+from vllm_dspark.patches.wrapping import wrap
 from vllm_dspark.verify.compact_graphs import one_token_graph_descriptors
 from vllm_dspark.verify.host_layout import (
     placeholder_query_lens,
@@ -163,11 +163,6 @@ def _make_capture_wrapper(capture):
         return capture(manager, *args, **kwargs)
 
     return capture_with_one_token_graphs
-
-
-def is_applied() -> bool:
-    model_state = importlib.import_module(MODEL_STATE_MODULE).DefaultModelState
-    return hasattr(model_state.prepare_attn, ORIGINAL_ATTR)
 
 
 def apply() -> None:
