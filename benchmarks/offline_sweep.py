@@ -79,6 +79,8 @@ from pathlib import Path
 
 from shapes import DSV4, SHAPES, write_deepseek_v4_shape, write_shape
 
+from vllm_dspark.demo.report import first_difference
+
 # The acceptance profile measured alongside the stock baseline in shared/device/README.md.
 DEFAULT_RATES = "0.8,0.62,0.48,0.37,0.28,0.21,0.16"
 # dspark_draft_vocab of the -vocab arms: the first 32,768 of Qwen3's 151,936 token ids, about
@@ -1042,13 +1044,6 @@ def compare_greedy(rows: list[dict], checks: dict[int, list[list[int]]]) -> None
             "greedy_identical_requests": len(outputs) - len(differing),
             "greedy_divergences": differing,
         }
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """Where two token sequences first differ (the shorter's length if one continues the
-    other)."""
-    pairs = enumerate(zip(a, b, strict=False))
-    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def run_engine(spec: dict, out: Path, keep, check=None) -> tuple[int, str]:

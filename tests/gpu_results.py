@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from vllm_dspark.demo.report import first_difference
+
 
 def write_result(filename: str, command: str, record: dict) -> None:
     """``record`` under the command, commit, date and device, as ``filename`` in
@@ -35,8 +37,7 @@ def first_divergences(outputs: dict, reference: dict, gaps: dict) -> dict:
         theirs = reference[key]
         if tokens == theirs:
             continue
-        pairs = zip(tokens, theirs, strict=True)
-        position = next(j for j, (a, b) in enumerate(pairs) if a != b)
+        position = first_difference(tokens, theirs)
         found[key] = {"position": position, "gap": gaps[key][position]}
     return found
 

@@ -339,3 +339,11 @@ def test_divergence_gaps_read_the_first_differing_token():
     gaps = [[0.9, 0.8, 0.07, 0.6], [1.0] * 4, None]  # the third rerun did not reproduce
     assert divergence_gaps(outputs, reference, gaps) == [0.07, None]
     assert divergence_gaps(reference, reference, gaps) == []
+
+
+def test_first_difference_is_the_shorter_length_when_one_continues_the_other():
+    from vllm_dspark.demo.report import first_difference
+
+    assert first_difference([1, 2, 4], [1, 2, 3]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([], [7]) == 0

@@ -382,7 +382,6 @@ def test_compare_greedy_waits_for_no_speculation_and_finds_first_differences():
     offline_sweep.compare_greedy(rows, checks)
     assert rows[0]["greedy_identical"] is False and rows[0]["greedy_divergences"] == [[0, 2]]
     assert rows[1]["greedy_identical"] is True and rows[1]["greedy_identical_requests"] == 2
-    assert offline_sweep.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_accept_by_target_switches_synthetic_acceptance_off_and_back(monkeypatch):

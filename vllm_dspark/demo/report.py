@@ -38,6 +38,13 @@ class RunSettings:
 NEAR_TIE_LOGPROB = 0.1
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Where two token sequences first differ (the shorter's length if one continues the
+    other)."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
 def divergence_gaps(outputs: list, reference: list, gaps: list | None) -> list[float | None]:
     """Per request whose output differs from ``reference``: no speculation's gap between
     its two best tokens at the first token that differs (None: not measured)."""
@@ -45,9 +52,8 @@ def divergence_gaps(outputs: list, reference: list, gaps: list | None) -> list[f
     for index, (output, expected) in enumerate(zip(outputs, reference, strict=True)):
         if output == expected:
             continue
-        pairs = enumerate(zip(output, expected, strict=False))  # ignore_eos: equal lengths
-        first = next((i for i, (a, b) in pairs if a != b), None)
-        known = gaps is not None and gaps[index] is not None and first is not None
+        first = first_difference(output, expected)
+        known = gaps is not None and gaps[index] is not None and first < len(gaps[index])
         found.append(gaps[index][first] if known else None)
     return found
 
