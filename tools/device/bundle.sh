@@ -5,8 +5,8 @@
 #   here:   bash tools/device/bundle.sh split BUNDLE PARTS [XWHL]  # after shared/device/build_vllm_bundle.sh
 #   there:  bash tools/device/bundle.sh stash PARTS/partNN    # one call per part (carry it)
 #   there:  . tools/device/bundle.sh install                  # once all parts are stashed
-# A part travels as one carried folder of at most 30 MiB (a call carries 64 MiB, the
-# tree, ~27 MiB at 4f7416f, included); the machine keeps stashed parts
+# A part travels as one carried folder of PART_MIB (default 38) MiB: a call carries 64 MiB,
+# the tree (~24 MiB) included; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
 # the wheel folder from them and installs vLLM under /tmp/vsite, then sets PYTHONPATH.
 # XWHL, optional, is a folder of extra wheels (e.g. .serve-whl, fetched as
@@ -22,7 +22,7 @@ case "$cmd" in
       xw=(-C "$(cd "$xwhl" && pwd)" --transform 's,^[^/]*\.whl$,xwhl/&,' "${xw[@]}")
     fi
     rm -rf "$parts" && mkdir -p "$parts/stream"
-    tar -C "$bundle" -cf - p1/vllm_C.so.xz p2 "${xw[@]}" | split -b 30M -d -a 2 - "$parts/stream/chunk"
+    tar -C "$bundle" -cf - p1/vllm_C.so.xz p2 "${xw[@]}" | split -b "${PART_MIB:-38}M" -d -a 2 - "$parts/stream/chunk"
     for chunk in "$parts"/stream/chunk*; do
       n=${chunk##*chunk}; mkdir -p "$parts/part$n"; mv "$chunk" "$parts/part$n/"
     done
