@@ -12,7 +12,12 @@ the test passing where nothing differs. Each must reach p >= ``LOSSLESS_P``. A
 deliberately lossy verifier, stock's rejection sampler accepting every draft (``biased``),
 must be caught: p < ``BIASED_P``. The same seeded requests run twice in a row give the
 same outputs with no speculation, stock and fixed k (adaptive modes decide from what they
-measured before, so theirs are recorded only).
+measured before, so theirs are recorded only). That holds only where vLLM schedules
+deterministically: its reproducibility guide asks for the engine core in the caller's
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or batch invariance. In a process of its own
+the core can start a batch before all its requests arrive, and float32 logits of another
+batch shape can flip a sample (at 639951a on an H100, no speculation's own first repeat
+differed); so the engines run in-process.
 
 Three engines (no speculation, stock, the plugin's capacity engine), float32 (bf16 logits
 of one context differ by batch shape, a fixed shift 20,000 samples could see), run side by
@@ -96,6 +101,8 @@ def probe(engine: str, index: int, caches: Path) -> dict:
         "env",
         # A fixed KV cache: vLLM's memory profiling would count the other engines'.
         f"DSPARK_PROBE_KV_CACHE_BYTES={2 << 30}",
+        # Deterministic scheduling, for the repeated seeded batch.
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0",
         # Compile caches of its own: engines compiling at once could read an entry that
         # another is still writing.
         f"VLLM_CACHE_ROOT={caches}/vllm",
