@@ -347,3 +347,7 @@ def test_first_difference_is_the_shorter_length_when_one_continues_the_other():
     assert first_difference([1, 2, 4], [1, 2, 3]) == 2
     assert first_difference([1, 2], [1, 2, 3]) == 2
     assert first_difference([], [7]) == 0
+    # An output that stops early has no differing token, so no gap is read for it.
+    from vllm_dspark.demo.report import divergence_gaps
+
+    assert divergence_gaps([[1, 2]], [[1, 2, 3]], [[0.5, 0.5, 0.01]]) == [None]

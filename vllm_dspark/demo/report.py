@@ -53,7 +53,9 @@ def divergence_gaps(outputs: list, reference: list, gaps: list | None) -> list[f
         if output == expected:
             continue
         first = first_difference(output, expected)
-        known = gaps is not None and gaps[index] is not None and first < len(gaps[index])
+        # One output continuing the other has no differing token: not measured.
+        differs = first < min(len(output), len(expected))
+        known = gaps is not None and gaps[index] is not None and differs
         found.append(gaps[index][first] if known else None)
     return found
 
