@@ -50,3 +50,15 @@ def prompt_divergences(token_ids: list, reference: dict) -> dict:
         dict(enumerate(reference["token_ids"])),
         dict(enumerate(reference["margins"])),
     )
+
+
+def greedy_comparison(out: dict, reference: dict) -> dict:
+    """One arm's probe result against no speculation's (``reference``: ``token_ids`` and
+    ``margins``): identical or not, :func:`prompt_divergences`, its spec-decode and
+    admission counts."""
+    return {
+        "greedy_token_ids_identical": out["token_ids"] == reference["token_ids"],
+        "first_divergences": prompt_divergences(out["token_ids"], reference),
+        "spec_decode": out["spec_decode"],
+        "admission": out["admission"],
+    }

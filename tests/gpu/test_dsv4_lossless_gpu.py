@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from gpu_results import prompt_divergences, write_result
+from gpu_results import greedy_comparison, write_result
 from offline_sweep import DSV4_ENGINE, shared_engine_plan
 from pair_probe import run_dummy
 from shapes import write_deepseek_v4_shape
@@ -114,15 +114,6 @@ def output_spread(nospec: dict) -> dict:
     }
 
 
-def compared(out: dict, nospec: dict) -> dict:
-    return {
-        "greedy_token_ids_identical": out["token_ids"] == nospec["token_ids"],
-        "first_divergences": prompt_divergences(out["token_ids"], nospec),
-        "spec_decode": out["spec_decode"],
-        "admission": out["admission"],
-    }
-
-
 @pytest.fixture(scope="module")
 def nospec(dsv4_folder) -> dict:
     """No speculation's outputs and their spread, once they are shown to tell a wrong
@@ -149,7 +140,7 @@ def capacity_arms(folder: str, start: dict, switch: list, nospec: dict) -> dict:
         accept_by_target=True,
     )
     assert capacity["accepted_by_target"]
-    return {arm: compared(out, nospec["out"]) for arm, out in capacity["arms"].items()}
+    return {arm: greedy_comparison(out, nospec["out"]) for arm, out in capacity["arms"].items()}
 
 
 def check_lossless(results: dict, nospec: dict) -> None:
@@ -197,7 +188,7 @@ def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder, nospe
     )
     save({})
     check_nospec(nospec)
-    results = {"dspark": compared(run(dsv4_folder, {}), nospec["out"])}
+    results = {"dspark": greedy_comparison(run(dsv4_folder, {}), nospec["out"])}
     start, _ = shared_engine_plan(["sps-masked", "acceptance-masked"], None)
     results |= capacity_arms(dsv4_folder, start, MASKED_SWITCH, nospec)
     save(results)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from gpu_results import prompt_divergences, write_result
+from gpu_results import greedy_comparison, write_result
 from pair_probe import run_dummy
 from shapes import write_shape
 
@@ -66,25 +66,16 @@ def run(dirs: dict, options: dict | None, **probe) -> dict:
     )
 
 
-def compared(out: dict, nospec: dict) -> dict:
-    return {
-        "greedy_token_ids_identical": out["token_ids"] == nospec["token_ids"],
-        "first_divergences": prompt_divergences(out["token_ids"], nospec),
-        "spec_decode": out["spec_decode"],
-        "admission": out["admission"],
-    }
-
-
 @pytest.mark.gpu
 def test_moe_target_greedy_lossless_with_every_capacity_mode(moe_dirs):
     nospec = run(moe_dirs, None, margins=True)
     assert all(len(ids) == MAX_TOKENS for ids in nospec["token_ids"])
-    results = {"dspark": compared(run(moe_dirs, {}), nospec)}
+    results = {"dspark": greedy_comparison(run(moe_dirs, {}), nospec)}
     # Synthetic confidences steer what is admitted; verification accepts what the target
     # chooses (synthetic acceptance would accept the drafter's tokens).
     capacity = run(moe_dirs, CAPACITY_START, switch=CAPACITY_SWITCH, accept_by_target=True)
     assert capacity["accepted_by_target"]
-    results |= {arm: compared(out, nospec) for arm, out in capacity["arms"].items()}
+    results |= {arm: greedy_comparison(out, nospec) for arm, out in capacity["arms"].items()}
     write_result(
         "moe_lossless_gpu.json",
         "DSPARK_RESULTS_DIR=$OUT pytest tests/gpu/test_moe_lossless_gpu.py",
