@@ -79,6 +79,7 @@ from pathlib import Path
 
 from shapes import DSV4, SHAPES, write_deepseek_v4_shape, write_shape
 
+from vllm_dspark.bench import DUMMY_WEIGHTS_EXTENSION
 from vllm_dspark.demo.report import first_difference
 
 # The acceptance profile measured alongside the stock baseline in shared/device/README.md.
@@ -270,6 +271,7 @@ def engine_kwargs(
         model=target,
         tensor_parallel_size=tensor_parallel_size,
         load_format="dummy" if dummy else "auto",
+        worker_extension_cls=DUMMY_WEIGHTS_EXTENSION if dummy else "",
         skip_tokenizer_init=dummy,
         dtype="bfloat16",
         max_model_len=2048,

@@ -61,6 +61,7 @@ from offline_sweep import (
 )
 from shapes import SHAPES, write_shape
 
+from vllm_dspark.bench import DUMMY_WEIGHTS_EXTENSION
 from vllm_dspark.metrics import PREFIX, AdmissionCounts, SpecDecodeCounts
 
 
@@ -247,11 +248,12 @@ def server_args(arm: Arm, models: Models, args: argparse.Namespace) -> list[str]
         json.dumps({"cudagraph_capture_sizes": capture_sizes(args.graphs_to)}),
     ]
     if models.dummy:
-        words += ["--load-format", "dummy"]
+        words += ["--load-format", "dummy", "--worker-extension-cls", DUMMY_WEIGHTS_EXTENSION]
     speculative = arm_speculative_config(arm, models, args.acceptance_rates)
     if speculative is not None:
         words += ["--speculative-config", json.dumps(speculative)]
-        words += ["--worker-extension-cls", SERVED_COUNTERS]
+        if not models.dummy:  # the dummy-weights extension carries the counters' calls
+            words += ["--worker-extension-cls", SERVED_COUNTERS]
     return words
 
 

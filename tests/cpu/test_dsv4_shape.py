@@ -126,6 +126,17 @@ def test_routing_simulation_replaces_every_router(probed):
     assert probed["simulated_routers"] == ["RoutingSimulatorRouter"] * layers
 
 
+def test_dummy_weights_finish_the_first_layer_only_through_the_extension(probed):
+    """vLLM's dummy load leaves the first layer's summed hyper-connection weights unset (its
+    first forward asserts them); the benchmarks' worker extension sets them."""
+    last = deepseek_v4_config(sorted(DSV4)[-1])
+    mix = (2 + last["hc_mult"]) * last["hc_mult"]
+    assert probed["dummy_hc_broadcast"] == {
+        "stock": None,
+        "extension": [[mix, last["hidden_size"]], last["hidden_size"]],
+    }
+
+
 @pytest.mark.parametrize("shape", sorted(DSV4))
 def test_weight_count_is_what_vllm_allocates(shape, probed):
     assert probed[shape]["weight_bytes"] == deepseek_v4_weight_bytes(deepseek_v4_config(shape))
@@ -284,6 +295,7 @@ def _probe(shapes: list[str]) -> dict:
                 "dspark": size(draft, skip=shared),
             },
         }
+    report["dummy_hc_broadcast"] = _dummy_hc_broadcast(lambda: engine_config(folder))
     # The routing a timed run of a dummy shape asks for (docs/design/deepseek-v4.md).
     os.environ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = "uniform_random"
     config = engine_config(folder)
@@ -293,6 +305,41 @@ def _probe(shapes: list[str]) -> dict:
         type(layer.ffn.experts.router).__name__ for layer in simulated.model.layers
     ]
     return report
+
+
+def _dummy_hc_broadcast(engine_config) -> dict:
+    """The first layer's summed hyper-connection weights after vLLM's dummy load, stock
+    and through the benchmarks' worker extension (None: not set)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+    from vllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_dspark.patches.wrapping import original
+
+    def broadcast_after(load_weights):
+        config = engine_config()  # a fresh one: a config registers each layer's name once
+        with (
+            set_current_vllm_config(config),
+            set_default_torch_dtype(config.model_config.dtype),
+            torch.device("meta"),
+        ):
+            model = DeepseekV4ForCausalLM(vllm_config=config, prefix="")
+            load_weights(
+                DummyModelLoader(LoadConfig(load_format="dummy")), model, config.model_config
+            )
+        layer = model.model.layers[0]
+        broadcast = layer.hc_attn_fn_broadcast
+        return None if broadcast is None else [list(broadcast.shape), layer.hidden_size]
+
+    import vllm_dspark.bench.dummy_weights  # noqa: F401  (what naming the extension does)
+
+    return {
+        "stock": broadcast_after(original(DummyModelLoader, "load_weights")),
+        "extension": broadcast_after(DummyModelLoader.load_weights),
+    }
 
 
 if __name__ == "__main__":

@@ -178,6 +178,8 @@ def test_the_sps_arm_serves_the_shape_with_calibrated_synthetic_confidence(qwen3
     words = server_args(ARM_PRESETS["sps"], qwen3_models, options)
     parsed = parse_serve(qwen3_models.target, words)
     assert parsed.load_format == "dummy"
+    # One extension: it finishes dummy DeepSeek-V4 weights and carries the counters' calls.
+    assert parsed.worker_extension_cls == "vllm_dspark.bench.dummy_weights.DummyWeightsExtension"
     assert parsed.enable_prefix_caching is False
     assert parsed.max_num_seqs == 256 and parsed.max_model_len == 2048
     assert max(parsed.compilation_config.cudagraph_capture_sizes) == 2048
@@ -223,6 +225,7 @@ def test_no_speculation_and_the_embedded_pair(tmp_path, options):
     assert "--speculative-config" not in server_args(ARM_PRESETS["nospec"], models, options)
     words = server_args(ARM_PRESETS["k7"], models, options)
     assert "--load-format" not in words  # real weights
+    assert words[words.index("--worker-extension-cls") + 1] == "vllm_dspark.metrics.ServedCounters"
     spec = json.loads(words[words.index("--speculative-config") + 1])
     assert spec == {
         "method": "dspark",

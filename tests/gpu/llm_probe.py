@@ -230,6 +230,7 @@ def main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_dspark.bench import DUMMY_WEIGHTS_EXTENSION
     from vllm_dspark.metrics import (
         AdmissionCounts,
         SpecDecodeCounts,
@@ -251,6 +252,7 @@ def main(spec: dict) -> None:
     engine = dict(
         model=spec["target"],
         load_format="dummy" if spec.get("dummy") else "auto",
+        worker_extension_cls=DUMMY_WEIGHTS_EXTENSION if spec.get("dummy") else "",
         skip_tokenizer_init=spec.get("dummy", False),
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=1024,

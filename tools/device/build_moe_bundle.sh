@@ -10,7 +10,8 @@
 #          z3-solver (its libtvm links libz3) and torch-c-dlpack-ext; nvidia-cutlass-dsl
 #          with its base, core and cu13 libraries (the compressor's head-512 kernels, the
 #          indexer's and the K-cache gather's; cu12 left out: the image's driver is CUDA 13)
-#          and quack-kernels (those kernels import it). tokenspeed-mla is left out: its
+#          and quack-kernels (those kernels import it); compressed-tensors with loguru (a
+#          quantized model's config imports them). tokenspeed-mla is left out: its
 #          backends take compute capability 10 only.
 # Usage, from the checkout root: bash tools/device/build_moe_bundle.sh SET [OUTDIR]
 # OUTDIR (default .moe-bundle; git-ignored through .git/info/exclude) gets SET/partNN/.
@@ -36,7 +37,7 @@ if [ "$set_name" = dsv4 ]; then
   for req in tilelang==0.1.9 z3-solver==4.15.4.0 torch-c-dlpack-ext==0.1.5 \
              nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 \
              nvidia-cutlass-dsl-libs-core==4.6.0 nvidia-cutlass-dsl-libs-cu13==4.6.0 \
-             quack-kernels==0.6.3; do
+             quack-kernels==0.6.3 compressed-tensors==0.17.0 loguru==0.7.3; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp "${plat[@]}" -d "$stage/whl" "$req"
   done

@@ -5,7 +5,7 @@ when it can go; each exposes an idempotent ``apply()`` (:mod:`.wrapping`). A pat
 changes nothing while no vllm-dspark option is set. ``PATCHES`` lists them all: the
 eager ones are applied in every process that loads the plugin (:func:`apply_all`), the
 lazy ones by :mod:`.speculator_selection` in a worker once a speculator that needs them
-is built.
+is built, or (dummy weights) by a benchmark naming a worker extension.
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ PATCHES = (
         "worker",
         False,
         "benchmarks only: accepts drafts by calibrated synthetic confidence",
+    ),
+    Patch(
+        "vllm_dspark.bench.dummy_weights",
+        "worker",
+        False,
+        "benchmarks only: finishes a dummy DeepSeek-V4 target's weights (worker extension)",
     ),
 )
 
