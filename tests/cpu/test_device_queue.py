@@ -5,6 +5,7 @@ with it; here the copied tree holds a stand-in gpu_stage.sh)."""
 import shutil
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 TOOLS = Path(__file__).parents[2] / "tools" / "device"
@@ -17,6 +18,9 @@ if [ "$1" = meet ]; then
     [ "$(ls "$OUT"/../started-meet-* | wc -l)" -ge 2 ] && exit 0; sleep 0.1
   done
   exit 1
+fi
+if [ "$1" = long ]; then  # a stage with a child process that outlives a call
+  sleep 300 & echo $! > "$OUT/../long.pid"; wait
 fi
 [ "$1" != bad ]
 """
@@ -82,3 +86,35 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
     assert "meet+meet! rc=0" in log and "after rc=0" in log
     assert len(caches) == 2 and "shared" not in caches
     assert (tmp_path / "queue" / "installs").read_text().count("installed") == 1
+
+
+def test_stop_ends_the_queue_and_its_stages_processes(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "tools" / "device").mkdir(parents=True)
+    shutil.copy(TOOLS / "queue.sh", tree / "tools" / "device")
+    (tree / "tools" / "device" / "gpu_stage.sh").write_text(FAKE_STAGE)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "QUEUE_ROOT": str(tmp_path / "queue")}
+
+    def queue(*args):
+        return subprocess.run(
+            ["bash", "tools/device/queue.sh", *args],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+
+    assert "no queue has run here" in queue("stop")
+    queue("start", "abc123", "long", "next")
+    pid_file = tmp_path / "queue" / "results" / "long.pid"
+    for _ in range(100):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    sleeper = int(pid_file.read_text())
+    assert "queue stopped by queue.sh stop" in queue("stop")
+    assert not (tmp_path / "queue" / "running").exists()
+    time.sleep(0.5)
+    assert not Path(f"/proc/{sleeper}").exists()  # the stage's child went with the group
+    assert not any(p.name.startswith("next-") for p in (tmp_path / "queue" / "results").iterdir())

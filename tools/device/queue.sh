@@ -7,6 +7,7 @@
 #   bash tools/device/queue.sh start COMMIT STAGE[:ARG...][+STAGE...][!] ...  # returns at once
 #   bash tools/device/queue.sh wait SECONDS   # until the queue ends or SECONDS pass, then
 #                                             # packs every result so far into $OUT
+#   bash tools/device/queue.sh stop           # ends the running queue and its stages' processes
 #
 # `start` copies the tree to /tmp/queue/tree first (QUEUE_ROOT overrides /tmp/queue): each
 # device call brings a fresh copy of the repository, which must not change under a running
@@ -18,7 +19,7 @@
 # earlier went back while idle) it says so and fails. The device copy has no .git: name
 # the commit.
 set -u
-cmd=${1:?usage: queue.sh start COMMIT STAGE... | wait SECONDS}
+cmd=${1:?usage: queue.sh start COMMIT STAGE... | wait SECONDS | stop}
 root=${QUEUE_ROOT:-/tmp/queue}
 case "$cmd" in
   start)
@@ -29,6 +30,7 @@ case "$cmd" in
     # A new session (setsid): the device machine ends a call's other processes.
     setsid bash "$root/tree/tools/device/queue.sh" run "$commit" "$@" \
       < /dev/null > /dev/null 2>&1 &
+    echo $! > "$root/pid"  # the new session's leader: its process group holds every stage
     echo "queued: $*"
     ;;
   run)  # what `start` runs in the background, from the copied tree
@@ -76,6 +78,16 @@ case "$cmd" in
     tar -C "$root" -czf "$OUT/results.tar.gz" results
     [ -f "$root/running" ] && echo "still running: $(cat "$root/running")" || echo "queue done"
     grep "^== " "$root/log" | tail -20
+    ;;
+  stop)
+    # By process group, not by name: `pkill -f NAME` in a call also matches the call's own
+    # command line, and killing the call's shell ends the call.
+    [ -f "$root/pid" ] || { echo "no queue has run here"; exit 3; }
+    group=$(cat "$root/pid")
+    kill -TERM -- "-$group" 2>/dev/null; sleep 5; kill -KILL -- "-$group" 2>/dev/null
+    rm -f "$root/running"
+    echo "== $(date +%T) queue stopped by queue.sh stop" >> "$root/log"
+    grep "^== " "$root/log" | tail -5
     ;;
   *) echo "queue.sh: unknown command $cmd" >&2; exit 2 ;;
 esac
