@@ -104,6 +104,19 @@ def test_sweep_engines_cache_no_prefix():
     assert engine_kwargs("m", dummy=False, graphs_to=1024)["enable_prefix_caching"] is False
 
 
+def test_dummy_weight_engines_name_the_extension_that_finishes_them():
+    """A dummy DeepSeek-V4 target needs its first layer's hyper-connection sum, which
+    vLLM's dummy loader skips; checkpoints load as vLLM does."""
+    from offline_sweep import engine_kwargs
+    from vllm.engine.arg_utils import EngineArgs
+
+    dummy = engine_kwargs("m")["worker_extension_cls"]
+    assert dummy == "vllm_dspark.bench.dummy_weights.DummyWeightsExtension"
+    assert (
+        engine_kwargs("m", dummy=False)["worker_extension_cls"] == EngineArgs.worker_extension_cls
+    )
+
+
 @pytest.fixture
 def fake_llm(monkeypatch):
     """``vllm.LLM`` replaced by an engine that generates zeros at once and records each
