@@ -45,7 +45,7 @@ def unpinned(monkeypatch):
 def speculator(plugin_speculator):
     from vllm_dspark.patches import dsv4_compact
 
-    dsv4_compact.apply()  # as compact verification does in a worker
+    dsv4_compact.apply()  # as building a capacity speculator does in a worker
     return plugin_speculator(
         K, dspark_capacity="budget", dspark_budget_frac=0.25, dspark_varlen_verify=True
     )

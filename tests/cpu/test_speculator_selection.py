@@ -35,3 +35,25 @@ def test_an_option_selects_the_plugin_speculator(engine_config, model_dirs, draf
 def test_no_option_keeps_the_stock_speculator(engine_config, model_dirs, draft):
     speculator = build_speculator(engine_config, model_dirs, draft)
     assert type(speculator).__module__.startswith("vllm.v1.worker.gpu.spec_decode.")
+
+
+def test_a_capacity_speculator_brings_the_compaction_patches(
+    engine_config, model_dirs, monkeypatch
+):
+    """Compact verification and DeepSeek-V4's layout go in together, only once a speculator
+    with capacity control is built (undone here first: other tests apply them)."""
+    import importlib
+
+    from vllm_dspark.patches import dsv4_compact
+    from vllm_dspark.patches.wrapping import original
+
+    runner = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
+    model_state = importlib.import_module(dsv4_compact.MODEL_STATE_MODULE).DefaultModelState
+    for owner, name in ((runner, "execute_model"), (model_state, "prepare_attn")):
+        monkeypatch.setattr(owner, name, original(owner, name))
+    build_speculator(engine_config, model_dirs, "dspark")
+    assert not hasattr(runner.execute_model, ORIGINAL_ATTR)
+    assert not hasattr(model_state.prepare_attn, ORIGINAL_ATTR)
+    build_speculator(engine_config, model_dirs, "dspark", dspark_capacity="threshold")
+    assert hasattr(runner.execute_model, ORIGINAL_ATTR)
+    assert hasattr(model_state.prepare_attn, ORIGINAL_ATTR)

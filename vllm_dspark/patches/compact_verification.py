@@ -17,8 +17,9 @@ releases after 0.26.0.
 Remove when: the pinned vLLM verifies a device-chosen subset of drafts itself.
 Applied lazily, by :mod:`vllm_dspark.patches.speculator_selection`, only when a
 speculator with capacity control is built; runners without one are untouched. Applies
-:mod:`~vllm_dspark.patches.compact_graphs` and :mod:`~vllm_dspark.patches.dsv4_compact`
-(DeepSeek-V4's host layout, read through :func:`compacting_plan`) with it.
+:mod:`~vllm_dspark.patches.compact_graphs` with it; :mod:`~vllm_dspark.patches.dsv4_compact`
+(DeepSeek-V4's host layout) goes in beside it and reads the plan through
+:func:`compacting_plan`.
 """
 
 from __future__ import annotations
@@ -125,6 +126,3 @@ def apply() -> None:
     wrap(runner, "prepare_inputs", _make_prepare_wrapper)
     wrap(runner, "sample", _make_sample_wrapper)
     compact_graphs.apply()
-    from vllm_dspark.patches import dsv4_compact  # it reads this module's plan
-
-    dsv4_compact.apply()

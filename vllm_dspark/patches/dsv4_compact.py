@@ -26,7 +26,8 @@ replays a graph captured on one-token rows, as vLLM's plain decode steps would.
 Upstream: vllm-project/vllm#47808 (adaptive verification writes a host placeholder
 layout) and #52795 (DeepSeek-V4 on Hopper: indexer rows from device lengths), after 0.26.0.
 Remove when: the pinned vLLM verifies a device-chosen subset of drafts on DeepSeek-V4.
-Applied with :mod:`vllm_dspark.patches.compact_verification`.
+Applied beside :mod:`vllm_dspark.patches.compact_verification`, by
+:mod:`vllm_dspark.patches.speculator_selection`.
 """
 
 from __future__ import annotations

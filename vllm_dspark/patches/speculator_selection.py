@@ -34,9 +34,10 @@ def _make_wrapper(init_speculator):
         speculator = cls(vllm_config, device, options)
         if speculator.controller.controls_capacity:
             # The runner is imported by now: its own hooks go in only when needed.
-            from vllm_dspark.patches import admission_metrics, compact_verification
+            from vllm_dspark.patches import admission_metrics, compact_verification, dsv4_compact
 
             compact_verification.apply()
+            dsv4_compact.apply()
             admission_metrics.apply_to_runner()
         if speculator.controller.needs_sps_profile:
             from vllm_dspark.patches import sps_autoprofile
