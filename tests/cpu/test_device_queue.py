@@ -8,6 +8,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).parents[2] / "tools" / "device"
 FAKE_STAGE = """#!/usr/bin/env bash
 # stand-in: STAGE COMMIT [ARG...]; writes its arguments and compile cache, fails for "bad";
@@ -27,7 +29,10 @@ fi
 FAKE_BUNDLE = 'echo installed >> "$QUEUE_ROOT/installs"\n'
 
 
-def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
+@pytest.fixture
+def queue(tmp_path):
+    """``queue(*args)``: queue.sh's output, run from a copied tree whose gpu_stage.sh and
+    bundle.sh are stand-ins; $OUT is tmp_path/out, the queue's root tmp_path/queue."""
     tree = tmp_path / "tree"
     (tree / "tools" / "device").mkdir(parents=True)
     shutil.copy(TOOLS / "queue.sh", tree / "tools" / "device")
@@ -37,17 +42,21 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
     out.mkdir()
     env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "QUEUE_ROOT": str(tmp_path / "queue")}
 
-    def queue(*args):
-        done = subprocess.run(
+    def run(*args):
+        return subprocess.run(
             ["bash", "tools/device/queue.sh", *args],
             cwd=tree,
             env=env,
             capture_output=True,
             text=True,
             timeout=60,
-        )
-        return done.stdout
+        ).stdout
 
+    return run
+
+
+def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path, queue):
+    out = tmp_path / "out"
     # On a machine where no queue ran (a fresh one, the earlier having gone back): said.
     assert "no queue on this machine" in queue("wait", "30")
     assert "queued" in queue("start", "abc123", "fixed-k:3:1024:nospec,dspark", "bad")
@@ -88,23 +97,7 @@ def test_queue_runs_stages_in_order_and_packs_their_results(tmp_path):
     assert (tmp_path / "queue" / "installs").read_text().count("installed") == 1
 
 
-def test_stop_ends_the_queue_and_its_stages_processes(tmp_path):
-    tree = tmp_path / "tree"
-    (tree / "tools" / "device").mkdir(parents=True)
-    shutil.copy(TOOLS / "queue.sh", tree / "tools" / "device")
-    (tree / "tools" / "device" / "gpu_stage.sh").write_text(FAKE_STAGE)
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "QUEUE_ROOT": str(tmp_path / "queue")}
-
-    def queue(*args):
-        return subprocess.run(
-            ["bash", "tools/device/queue.sh", *args],
-            cwd=tree,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-
+def test_stop_ends_the_queue_and_its_stages_processes(tmp_path, queue):
     assert "no queue has run here" in queue("stop")
     queue("start", "abc123", "long", "next")
     pid_file = tmp_path / "queue" / "results" / "long.pid"
