@@ -176,6 +176,16 @@ def result_writer(name: str, command: str, arms: str, nospec: dict):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_dsv4_stock_dspark_starts_and_generates(dsv4_folder, enforce_eager):
+    """Stock DSpark (k=7, the plugin inert) on the tiny-dsv4 shape starts and returns every
+    token, eagerly and from CUDA graphs: what the lossless tests stand on. The dsv4-probe
+    stage runs it alone with synchronous kernel launches, so that a fault names its kernel."""
+    out = run(dsv4_folder, {}, engine=DSV4_ENGINE | {"enforce_eager": enforce_eager})
+    assert [len(ids) for ids in out["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS
+
+
+@pytest.mark.gpu
 def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder, nospec):
     save = result_writer(
         "dsv4_lossless_gpu.json",

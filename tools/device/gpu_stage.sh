@@ -115,6 +115,9 @@
 #            compact graphs (another engine), against no speculation
 #            (tests/gpu/test_dsv4_lossless_gpu.py; four engines); queue it as
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage
+#   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager and from CUDA graphs, every
+#            kernel launch synchronous (CUDA_LAUNCH_BLOCKING=1), so that a kernel fault's
+#            traceback names the kernel that made it (two engines)
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
 #            no speculation, stock DSpark k=7, sps verified masked and compacted (one
@@ -140,6 +143,12 @@ vllm_env() {
 vllm_moe_env() {
   vllm_env
   . tools/device/moe_bundle.sh install || exit 1
+}
+vllm_dsv4_env() {
+  vllm_moe_env
+  python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
+import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
+    || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
 }
 use_recalibrated() {
   # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
@@ -405,20 +414,20 @@ case "$stage" in
       --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
       --out "$OUT/moe_qwen3.json" 2>&1 | quiet | tee "$OUT/moe_qwen3.log" | tail -30
     ;;
+  dsv4-probe)
+    vllm_dsv4_env
+    CUDA_LAUNCH_BLOCKING=1 timeout 900 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py \
+      -k starts_and_generates -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_probe.log" | tail -60
+    exit "${PIPESTATUS[0]}"
+    ;;
   dsv4-lossless)
-    vllm_moe_env
-    python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
-import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
-      || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
-    timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -q -p no:cacheprovider -rA \
-      2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
+    vllm_dsv4_env
+    timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
+      -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
     ;;
   dsv4)
-    vllm_moe_env
-    python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
-import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
-      || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
+    vllm_dsv4_env
     # Dummy routers send every token to the same few experts (docs/design/deepseek-v4.md):
     # balanced random routing instead, which changes no output (the experts are zero).
     export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random

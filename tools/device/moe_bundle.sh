@@ -7,13 +7,24 @@
 # DeepGEMM under vllm/third_party and the wheels beside vLLM; cutlass's DSL packages sit
 # in a folder its .pth file names, which PYTHONPATH (not a site dir) does not read: it
 # goes on PYTHONPATH itself. Parts stay in /opt/vb/moe_parts while the machine is warm.
+#   there:  bash tools/device/moe_bundle.sh save-caches   # into $OUT: jit_caches.tar.gz
+# DeepSeek-V4's first engine compiles its DeepGEMM, tilelang and Triton kernels for about
+# 12 minutes (H100), and a fresh machine has none of them: save them once, keep the file
+# here in .moe-bundle/dsv4-jit/ and stash that folder like a part; `install` then unpacks
+# it into $HOME (kernels are compiled for SM90: an H100 or H200 alike).
 set -u
-cmd=${1:?usage: moe_bundle.sh stash PART | install}
+cmd=${1:?usage: moe_bundle.sh stash PART | install | save-caches}
 site=/tmp/vsite
+caches=(.cache/vllm/deep_gemm/cache .tilelang .triton)  # under $HOME
 case "$cmd" in
   stash)
-    part=${2:?part dir}; mkdir -p /opt/vb/moe_parts && cp "$part"/chunk* /opt/vb/moe_parts/ \
-      && ls /opt/vb/moe_parts
+    part=${2:?part dir}; mkdir -p /opt/vb/moe_parts \
+      && cp "$part"/chunk* "$part"/jit_caches.tar.gz /opt/vb/moe_parts/ 2>/dev/null
+    ls /opt/vb/moe_parts
+    ;;
+  save-caches)
+    (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf "$OUT/jit_caches.tar.gz" -T -) \
+      && ls -la "$OUT/jit_caches.tar.gz"
     ;;
   install)
     if [ ! -f "$site/.complete" ]; then
@@ -29,6 +40,9 @@ case "$cmd" in
       if ls "$m"/whl/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
           --target "$site" "$m"/whl/*.whl || return 1 2>/dev/null || exit 1
+      fi
+      if [ -f /opt/vb/moe_parts/jit_caches.tar.gz ]; then
+        tar -C "$HOME" -xzf /opt/vb/moe_parts/jit_caches.tar.gz && echo "JIT caches restored"
       fi
       touch "$site/.moe-complete"
     fi
