@@ -115,9 +115,9 @@
 #            compact graphs (another engine), against no speculation
 #            (tests/gpu/test_dsv4_lossless_gpu.py; four engines); queue it as
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage
-#   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager and from CUDA graphs, every
-#            kernel launch synchronous (CUDA_LAUNCH_BLOCKING=1), so that a kernel fault's
-#            traceback names the kernel that made it (two engines)
+#   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, from CUDA graphs and with
+#            an 8,192-token context, every kernel launch synchronous (CUDA_LAUNCH_BLOCKING=1),
+#            so that a kernel fault's traceback names the kernel that made it (three engines)
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
 #            no speculation, stock DSpark k=7, sps verified masked and compacted (one
