@@ -9,7 +9,7 @@
 # goes on PYTHONPATH itself. Parts stay in /opt/vb/moe_parts while the machine is warm.
 #   there:  bash tools/device/moe_bundle.sh save-caches   # into $OUT: jit_caches.tar.gz
 # DeepSeek-V4's first engine compiles its DeepGEMM, tilelang and Triton kernels for about
-# 12 minutes (H100), and a fresh machine has none of them: save them once, keep the file
+# 14 minutes (H100), and a fresh machine has none of them: save them once, keep the file
 # here in .moe-bundle/dsv4-jit/ and stash that folder like a part; `install` then unpacks
 # it into $HOME (kernels are compiled for SM90: an H100 or H200 alike).
 set -u
@@ -18,9 +18,11 @@ site=/tmp/vsite
 caches=(.cache/vllm/deep_gemm/cache .tilelang .triton)  # under $HOME
 case "$cmd" in
   stash)
-    part=${2:?part dir}; mkdir -p /opt/vb/moe_parts \
-      && cp "$part"/chunk* "$part"/jit_caches.tar.gz /opt/vb/moe_parts/ 2>/dev/null
-    ls /opt/vb/moe_parts
+    part=${2:?part dir}
+    files=$(find "$part" -maxdepth 1 \( -name 'chunk*' -o -name jit_caches.tar.gz \))
+    [ -n "$files" ] || { echo "moe_bundle.sh: no chunks or caches in $part" >&2; exit 1; }
+    # shellcheck disable=SC2086  # paths without spaces, one a line
+    mkdir -p /opt/vb/moe_parts && cp $files /opt/vb/moe_parts/ && ls /opt/vb/moe_parts
     ;;
   save-caches)
     (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf "$OUT/jit_caches.tar.gz" -T -) \
