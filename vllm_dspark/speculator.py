@@ -189,6 +189,9 @@ class DSparkPluginSpeculator(PluginSpeculator, GraphedContextKV, DSparkSpeculato
                 options.synthetic_confidence[: self.num_speculative_steps], device
             )
             self.temperatures = torch.ones(self.num_speculative_steps, device=device)
+            # Per request slot: the survival its drafts are accepted by, kept at every
+            # proposal (the controller's copy is not kept while sps rests).
+            self.synthetic_slot_survival = torch.ones(shape, dtype=torch.float32, device=device)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
         model = super().load_draft_model(target_model, target_attn_layer_names)
@@ -245,8 +248,10 @@ class DSparkPluginSpeculator(PluginSpeculator, GraphedContextKV, DSparkSpeculato
             return super().propose(*args, **kwargs)
         plan = self._plan_proposal(call)
         drafts = super().propose(*args, **kwargs) if plan.drafting else self._propose_skipped(call)
+        num_reqs, slots = call["input_batch"].num_reqs, call["input_batch"].idx_mapping
+        if self.synthetic is not None:
+            self.synthetic_slot_survival[slots] = self.survival[:num_reqs]
         if self.has_confidence and not plan.resting:
-            num_reqs, slots = call["input_batch"].num_reqs, call["input_batch"].idx_mapping
             self.slot_confidence_logits[slots] = self.confidence_logits[:num_reqs]
             self.controller.observe_proposal(slots, self.survival[:num_reqs])
         return drafts

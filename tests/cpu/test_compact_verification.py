@@ -525,10 +525,10 @@ def test_calibrated_synthetic_cuts_each_request_at_its_first_rejection():
         num_verified = cu_num_logits[1:] - cu_num_logits[:-1] - 1
         return "sampled", (num_verified + 1).to(torch.int32)
 
-    speculator = SimpleNamespace(controller=SimpleNamespace(slot_survival=torch.zeros(4, K)))
-    speculator.controller.slot_survival[1] = 1.0  # slot 1: every draft sure to pass
-    speculator.controller.slot_survival[3, :2] = 1.0  # slot 3: two sure drafts, then none
-    speculator.controller.slot_survival[2] = 0.5 ** torch.arange(1, K + 1)  # slot 2: each draft 1/2
+    speculator = SimpleNamespace(synthetic_slot_survival=torch.zeros(4, K))
+    speculator.synthetic_slot_survival[1] = 1.0  # slot 1: every draft sure to pass
+    speculator.synthetic_slot_survival[3, :2] = 1.0  # slot 3: two sure drafts, then none
+    speculator.synthetic_slot_survival[2] = 0.5 ** torch.arange(1, K + 1)  # slot 2: each draft 1/2
     synthetic_acceptance._speculator = lambda: speculator
     wrapped = synthetic_acceptance._make_wrapper(all_accepted)
     seeds = torch.tensor([11, 12, 13, 14])  # per slot

@@ -128,6 +128,35 @@ def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans
     )
 
 
+def test_synthetic_acceptance_reads_every_proposals_survival_resting_or_not(
+    sps_speculator, monkeypatch
+):
+    """A benchmark's synthetic acceptance verifies a request's drafts by the survival they
+    were proposed with, also while sps rests (when the controller keeps no copy): a stale
+    one would accept the next drafts by another proposal's confidence."""
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    speculator = resting_speculator(sps_speculator, 3)
+    speculator.synthetic = object()  # set with dspark_synthetic_confidence
+    speculator.synthetic_slot_survival = torch.ones(16, K)
+    drawn = torch.linspace(0.9, 0.1, K).repeat(16, 1)
+
+    def drafted(self, *args, **kwargs):
+        self.survival[:16] = drawn  # what the captured draft graph computes
+        return "drafted"
+
+    monkeypatch.setattr(DSparkSpeculator, "propose", drafted)
+    unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
+    unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
+    call = dict.fromkeys(unused) | {
+        "input_batch": SimpleNamespace(num_reqs=16, idx_mapping=torch.arange(16)),
+        "num_sampled": torch.ones(16, dtype=torch.int64),
+    }
+    assert speculator.propose(**call) == "drafted" and speculator.controller.resting
+    assert torch.equal(speculator.synthetic_slot_survival, drawn)
+    assert not torch.equal(speculator.controller.slot_survival[:16], drawn)
+
+
 def test_ranks_with_different_clocks_admit_rest_and_wake_alike(plugin_speculator):
     """Tensor parallelism: two sps ranks whose host clocks differ (the second's steps read
     1.3x as long), fed the same survivals, their step costs reduced over the ranks, admit,

@@ -47,7 +47,7 @@ def _make_wrapper(rejection_sample):
         sampled, num_sampled = rejection_sample(*call.args, **call.kwargs)
         num_verified, _ = verification_counts(cu_num_logits, num_sampled)
         slots = call.arguments["idx_mapping"].long()
-        confidence = conditional_confidence(speculator.controller.slot_survival[slots])
+        confidence = conditional_confidence(speculator.synthetic_slot_survival[slots])
         first_positions = call.arguments["pos"][cu_num_logits[:-1].long()]
         seeds = call.arguments["seed"][slots]
         uniform = acceptance_draws(seeds, first_positions, confidence.shape[1])
