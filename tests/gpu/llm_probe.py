@@ -11,7 +11,9 @@ capacity options] measured one after another in this engine,
 memory the engine does not hold with NaN, then hand it back to the allocator),
 "check_draft_slots" (after the warm-up, check every step's per-request-slot draft buffers:
 :func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs", "cudagraph_mode"
-and "compile" (:func:`compilation_config`), "margins" (also return, per prompt and output
+and "compile" (:func:`compilation_config`), "sync_segments" (the engine core in this
+process, each segment of a PIECEWISE breakable graph synchronised:
+:func:`install_segment_sync`), "margins" (also return, per prompt and output
 position, the top-two logprob gap: :func:`top_two_gap`), "engine" (further LLM()
 arguments, e.g. kv_cache_dtype and block_size), "accept_by_target" (with
 dspark_synthetic_confidence: drafts accepted as the target chooses, the synthetic
@@ -59,6 +61,37 @@ def top_two_gap(position: dict) -> float:
     most likely token's logprob minus the second's, how near a tie the greedy choice was."""
     by_rank = {logprob.rank: logprob.logprob for logprob in position.values()}
     return round(by_rank[1] - by_rank[2], 7)
+
+
+def segment_name(segment) -> str:
+    """One replayed segment of a breakable CUDA graph: a captured graph, or the eager
+    break (an op and the layer whose module it was called on)."""
+    if getattr(segment, "__self__", None) is not None:
+        return "a captured graph"
+    contents = [cell.cell_contents for cell in segment.__closure__]
+    closure = dict(zip(segment.__code__.co_freevars, contents, strict=True))
+    args = closure.get("weak_args") or (None,)
+    op = getattr(closure.get("fn"), "__qualname__", "an op")
+    return f"the eager {op} of {getattr(args[0], 'prefix', type(args[0]).__name__)}"
+
+
+def install_segment_sync() -> None:
+    """Wait for every segment of a breakable CUDA graph's replay (vLLM runs DeepSeek-V4's
+    PIECEWISE steps so: captured graphs, its attention eager between them), so that a
+    fault names the segment it happened in rather than the next launch."""
+    import torch
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    def replay(self) -> None:
+        for index, segment in enumerate(self.segments):
+            segment()
+            try:
+                torch.cuda.synchronize()
+            except Exception as error:
+                where = f"segment {index} of {len(self.segments)}, {segment_name(segment)}"
+                raise RuntimeError(f"breakable CUDA graph replay faulted in {where}") from error
+
+    BreakableCUDAGraphCapture.replay = replay
 
 
 def fixed_kv_cache_bytes() -> int | None:
@@ -245,6 +278,9 @@ def main(spec: dict) -> None:
         # Before the engine starts: its processes import the helper from this path.
         sys.path.insert(0, str(BENCHMARKS))
         from offline_sweep import accept_by_target
+    if spec.get("sync_segments"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch reaches the engine
+        install_segment_sync()
     if speculative or spec.get("poison_freed_memory"):
         # admission_counts(), the poisoning and the draft-slot check call into the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -35,6 +35,7 @@ proposed (masked or compact verification of part of the drafts ran; compacted st
 prompts among them). Needs the MoE bundle's dsv4 set (tools/device/moe_bundle.sh)."""
 
 import math
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -45,6 +46,11 @@ from offline_sweep import DSV4_ENGINE, shared_engine_plan
 from pair_probe import run_dummy
 from shapes import write_deepseek_v4_shape
 
+# vLLM's CUDA-graph mode for every engine of the lossless tests, when set (gpu_stage.sh
+# dsv4-lossless MODE): FULL_DECODE_ONLY runs whatever is not a uniform decode eagerly.
+GRAPH_MODE = os.environ.get("DSV4_CUDAGRAPH_MODE")
+GRAPHS = {"compilation_config": {"cudagraph_mode": GRAPH_MODE}} if GRAPH_MODE else {}
+ENGINE = DSV4_ENGINE | GRAPHS
 NUM_PROMPTS, MAX_TOKENS, MAX_NUM_SEQS = 16, 32, 8
 TIE_PERCENTILE, MAX_DIVERGING = 10, 3
 # No speculation's outputs must use at least this many distinct tokens.
@@ -84,7 +90,7 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def run(folder: str, options: dict | None, engine: dict = DSV4_ENGINE, **probe) -> dict:
+def run(folder: str, options: dict | None, engine: dict = ENGINE, **probe) -> dict:
     return run_dummy(
         folder,
         None,
@@ -118,7 +124,7 @@ def output_spread(nospec: dict) -> dict:
 def nospec(dsv4_folder) -> dict:
     """No speculation's outputs and their spread, once they are shown to tell a wrong
     token from a right one."""
-    raw_logits = DSV4_ENGINE | {"logprobs_mode": "raw_logits"}  # margins: logit gaps
+    raw_logits = ENGINE | {"logprobs_mode": "raw_logits"}  # margins: logit gaps
     out = run(dsv4_folder, None, engine=raw_logits, margins=True)
     return {"out": out, "spread": output_spread(out)}
 
@@ -162,7 +168,7 @@ def result_writer(name: str, command: str, arms: str, nospec: dict):
         "setup": {
             "target": "tiny-dsv4 DeepSeek-V4 (5 layers, hidden 1024, 16 experts), dummy "
             "weights, its DSpark module (3 layers) from the same checkpoint",
-            "engine": DSV4_ENGINE | {"dtype": "bfloat16 (FP8 linears)"},
+            "engine": ENGINE | {"dtype": "bfloat16 (FP8 linears)"},
             "arms": arms,
             "sampling": "greedy",
         },
@@ -175,13 +181,14 @@ def result_writer(name: str, command: str, arms: str, nospec: dict):
     return save
 
 
-# Engines stock DSpark must run in: eager, from CUDA graphs, and with the block tables and
-# compressed lengths of a longer context (at 1,024 tokens a ratio-4 layer holds at most
-# 256 compressed entries, fewer than the indexer's top 512, which no served model meets).
+# Engines stock DSpark must run in. On an H100 (6e7cb70) the eager one ran and vLLM's
+# default graphs (FULL and PIECEWISE, 1,024 or 8,192 tokens) faulted in the first PIECEWISE
+# replay: "piecewise" waits for each of its segments, to name the one that faults; FULL
+# decode graphs alone leave every step that is not a uniform decode eager.
 STOCK_ENGINES = {
-    "eager": {"enforce_eager": True},
-    "graphs": {},
-    "graphs-8192": {"max_model_len": 8192},
+    "eager": ({"enforce_eager": True}, {}),
+    "piecewise": ({}, {"sync_segments": True}),
+    "full-decode-only": ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, {}),
 }
 
 
@@ -191,7 +198,8 @@ def test_dsv4_stock_dspark_starts_and_generates(dsv4_folder, variant):
     """Stock DSpark (k=7, the plugin inert) on the tiny-dsv4 shape starts and returns every
     token: what the lossless tests stand on. The dsv4-probe stage runs it alone with
     synchronous kernel launches, so that a fault names its kernel."""
-    out = run(dsv4_folder, {}, engine=DSV4_ENGINE | STOCK_ENGINES[variant])
+    engine, probe = STOCK_ENGINES[variant]
+    out = run(dsv4_folder, {}, engine=DSV4_ENGINE | engine, **probe)
     assert [len(ids) for ids in out["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS
 
 

@@ -114,10 +114,13 @@
 #            capacity mode verified masked (one engine, switched), then compacted with FULL
 #            compact graphs (another engine), against no speculation
 #            (tests/gpu/test_dsv4_lossless_gpu.py; four engines); queue it as
-#            "dsv4-lossless!" so that a failure stops the queue before the timed stage
-#   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, from CUDA graphs and with
-#            an 8,192-token context, every kernel launch synchronous (CUDA_LAUNCH_BLOCKING=1),
-#            so that a kernel fault's traceback names the kernel that made it (three engines)
+#            "dsv4-lossless!" so that a failure stops the queue before the timed stage.
+#            Third argument: a CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY)
+#   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, with vLLM's default
+#            graphs (each PIECEWISE segment synchronised, to name the one that faults) and
+#            with FULL decode graphs only, every kernel launch synchronous and workspace
+#            resizes logged (three engines). Third argument: a pytest -k filter of the
+#            engines (e.g. "not eager")
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
 #            no speculation, stock DSpark k=7, sps verified masked and compacted (one
@@ -416,13 +419,17 @@ case "$stage" in
     ;;
   dsv4-probe)
     vllm_dsv4_env
-    CUDA_LAUNCH_BLOCKING=1 timeout 900 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py \
-      -k starts_and_generates -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_probe.log" | tail -60
+    # Synchronous launches, and a log line for every workspace resize (a graph captured
+    # before one would replay into freed memory).
+    CUDA_LAUNCH_BLOCKING=1 VLLM_DEBUG_WORKSPACE=1 timeout 900 python3 -m pytest \
+      tests/gpu/test_dsv4_lossless_gpu.py -k "starts_and_generates${3:+ and $3}" -q \
+      -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_probe.log" | tail -60
     exit "${PIPESTATUS[0]}"
     ;;
   dsv4-lossless)
     vllm_dsv4_env
-    timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
+    # An optional CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY).
+    DSV4_CUDAGRAPH_MODE=${3:-} timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
       -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
     ;;
