@@ -522,3 +522,46 @@ def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
     (shared,) = engines.specs[2:]  # sps masked and compacted
     assert shared["options"] == {"dspark_capacity": "sps", "dspark_varlen_verify": True}
     assert [name for name, _ in shared["switch"]] == STAGE_ARMS.split(",")[2:]
+
+
+def test_segment_sync_names_the_breakable_graph_segment_that_faults(monkeypatch):
+    """llm_probe's segment sync (the dsv4-probe stage's): a replay that faults names its
+    segment, a captured graph or the eager op of a layer, as vLLM records them."""
+    import torch
+    from vllm.compilation import breakable_cudagraph as breakable
+
+    llm_probe = load_llm_probe()
+    recorded = []
+    capture = types.SimpleNamespace(_capturing=True, add_eager=recorded.append)
+    monkeypatch.setattr(breakable, "is_breakable_cudagraph_enabled", lambda: True)
+    monkeypatch.setattr(breakable.BreakableCUDAGraphCapture, "current", lambda: capture)
+    monkeypatch.setattr(breakable, "is_forward_context_available", lambda: False)
+
+    class Attention:
+        prefix = "model.layers.3.attn"
+
+        @breakable.eager_break_during_capture
+        def attention_impl(self, hidden):
+            return hidden
+
+    Attention().attention_impl(2)  # captured: vLLM records the eager break
+    graph = types.SimpleNamespace()
+    graph.replay = types.MethodType(lambda self: None, graph)  # as CUDAGraph.replay, bound
+    segments = [graph.replay, recorded[0], graph.replay]
+    assert llm_probe.segment_name(graph.replay) == "a captured graph"
+    assert llm_probe.segment_name(recorded[0]) == (
+        "the eager Attention.attention_impl of model.layers.3.attn"
+    )
+    synced = []
+
+    def synchronize():
+        synced.append(True)
+        if len(synced) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(breakable.BreakableCUDAGraphCapture, "replay", None)
+    llm_probe.install_segment_sync()
+    replay = breakable.BreakableCUDAGraphCapture.replay
+    with pytest.raises(RuntimeError, match="segment 1 of 3, the eager Attention.attention_impl"):
+        replay(types.SimpleNamespace(segments=segments))

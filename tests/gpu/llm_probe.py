@@ -70,9 +70,9 @@ def segment_name(segment) -> str:
         return "a captured graph"
     contents = [cell.cell_contents for cell in segment.__closure__]
     closure = dict(zip(segment.__code__.co_freevars, contents, strict=True))
-    args = closure.get("weak_args") or (None,)
-    op = getattr(closure.get("fn"), "__qualname__", "an op")
-    return f"the eager {op} of {getattr(args[0], 'prefix', type(args[0]).__name__)}"
+    owner = (closure.get("weak_args") or (None,))[0]  # the module the op was called on
+    op = f"{type(owner).__name__}.{getattr(closure.get('fn'), '__name__', 'op')}"
+    return f"the eager {op} of {getattr(owner, 'prefix', 'an unnamed module')}"
 
 
 def install_segment_sync() -> None:
