@@ -401,6 +401,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     fig, (tpot, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     for index, arm in enumerate(dict.fromkeys(row["arm"] for row in rows)):
@@ -418,6 +419,10 @@ def plot(rows: list[dict], path: Path) -> None:
         axis.set_xlabel("output tokens / s")
         axis.set_ylabel(label)
         axis.set_yscale("log")
+        # Plain milliseconds at 1, 2 and 5 of each decade (not powers of ten).
+        axis.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        axis.yaxis.set_minor_formatter(NullFormatter())
         axis.grid(alpha=0.3)
     tpot.legend(fontsize=7)
     fig.tight_layout()
