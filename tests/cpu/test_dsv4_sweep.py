@@ -565,3 +565,18 @@ def test_segment_sync_names_the_breakable_graph_segment_that_faults(monkeypatch)
     replay = breakable.BreakableCUDAGraphCapture.replay
     with pytest.raises(RuntimeError, match="segment 1 of 3, the eager Attention.attention_impl"):
         replay(types.SimpleNamespace(segments=segments))
+
+
+def test_eager_draft_keeps_the_drafter_from_capturing_graphs(monkeypatch):
+    """llm_probe's eager draft (a dsv4-probe engine): the drafter's graph manager is built
+    for no CUDA graphs whatever mode the runner asks for."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    asked = []
+    monkeypatch.setattr(
+        DFlashSpeculator, "init_cudagraph_manager", lambda self, mode: asked.append(mode)
+    )
+    load_llm_probe().install_eager_draft()
+    DFlashSpeculator.init_cudagraph_manager(object(), CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert asked == [CUDAGraphMode.NONE]

@@ -13,8 +13,9 @@ memory the engine does not hold with NaN, then hand it back to the allocator),
 :func:`install_draft_slot_check`), "tensor_parallel_size", "max_num_seqs", "cudagraph_mode"
 and "compile" (:func:`compilation_config`), "sync_segments" (the engine core in this
 process, each segment of a PIECEWISE breakable graph synchronised:
-:func:`install_segment_sync`), "margins" (also return, per prompt and output
-position, the top-two logprob gap: :func:`top_two_gap`), "engine" (further LLM()
+:func:`install_segment_sync`), "eager_draft" (the engine core in this process, the
+drafter without CUDA graphs: :func:`install_eager_draft`), "margins" (also return, per
+prompt and output position, the top-two logprob gap: :func:`top_two_gap`), "engine" (further LLM()
 arguments, e.g. kv_cache_dtype and block_size), "accept_by_target" (with
 dspark_synthetic_confidence: drafts accepted as the target chooses, the synthetic
 confidences steering capacity control alone: offline_sweep.accept_by_target)}. Prints
@@ -92,6 +93,18 @@ def install_segment_sync() -> None:
                 raise RuntimeError(f"breakable CUDA graph replay faulted in {where}") from error
 
     BreakableCUDAGraphCapture.replay = replay
+
+
+def install_eager_draft() -> None:
+    """Draft without CUDA graphs while the target keeps its own (vLLM has no option for
+    it): whether the drafter's graph capture is what breaks the target's graphs."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    init_cudagraph_manager = DFlashSpeculator.init_cudagraph_manager
+    DFlashSpeculator.init_cudagraph_manager = lambda self, mode: init_cudagraph_manager(
+        self, CUDAGraphMode.NONE
+    )
 
 
 def fixed_kv_cache_bytes() -> int | None:
@@ -278,9 +291,12 @@ def main(spec: dict) -> None:
         # Before the engine starts: its processes import the helper from this path.
         sys.path.insert(0, str(BENCHMARKS))
         from offline_sweep import accept_by_target
+    if spec.get("sync_segments") or spec.get("eager_draft"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patches reach the engine
     if spec.get("sync_segments"):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch reaches the engine
         install_segment_sync()
+    if spec.get("eager_draft"):
+        install_eager_draft()
     if speculative or spec.get("poison_freed_memory"):
         # admission_counts(), the poisoning and the draft-slot check call into the worker.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -183,11 +183,13 @@ def result_writer(name: str, command: str, arms: str, nospec: dict):
 
 # Engines stock DSpark must run in. On an H100 (6e7cb70) the eager one ran and vLLM's
 # default graphs (FULL and PIECEWISE, 1,024 or 8,192 tokens) faulted in the first PIECEWISE
-# replay: "piecewise" waits for each of its segments, to name the one that faults; FULL
-# decode graphs alone leave every step that is not a uniform decode eager.
+# replay: "piecewise" waits for each of its segments, to name the one that faults, and
+# "piecewise-eager-draft" captures no draft graphs (captured after the target's, in the
+# same pool); FULL decode graphs alone leave every step that is not a uniform decode eager.
 STOCK_ENGINES = {
     "eager": ({"enforce_eager": True}, {}),
     "piecewise": ({}, {"sync_segments": True}),
+    "piecewise-eager-draft": ({}, {"sync_segments": True, "eager_draft": True}),
     "full-decode-only": ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, {}),
 }
 

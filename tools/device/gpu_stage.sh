@@ -117,10 +117,10 @@
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage.
 #            Third argument: a CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY)
 #   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, with vLLM's default
-#            graphs (each PIECEWISE segment synchronised, to name the one that faults) and
-#            with FULL decode graphs only, every kernel launch synchronous and workspace
-#            resizes logged (three engines). Third argument: a pytest -k filter of the
-#            engines (e.g. "not eager")
+#            graphs (each PIECEWISE segment synchronised, to name the one that faults; also
+#            with the drafter eager) and with FULL decode graphs only, every kernel launch
+#            synchronous and workspace resizes logged (four engines, about 2.5 minutes
+#            each). Third argument: a pytest -k filter of the engines (e.g. "not eager")
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
 #            no speculation, stock DSpark k=7, sps verified masked and compacted (one
