@@ -549,8 +549,9 @@ def main() -> int:
         "--seconds", type=float, default=30.0, help="arrivals per finite-rate point"
     )
     parser.add_argument("--min-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=128, help="random prompts (qwen3-8b)")
-    parser.add_argument("--output-len", type=int, default=128)
+    # The served targets' setup (docs/results.md): 512-token prompts, 256 output tokens.
+    parser.add_argument("--input-len", type=int, default=512, help="random prompts (qwen3-8b)")
+    parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="the client's dataset seed")
     parser.add_argument("--max-num-seqs", type=int, default=256)
