@@ -549,7 +549,7 @@ def main() -> int:
         "--seconds", type=float, default=30.0, help="arrivals per finite-rate point"
     )
     parser.add_argument("--min-prompts", type=int, default=32)
-    # The served targets' setup (docs/results.md): 512-token prompts, 256 output tokens.
+    # 512-token prompts and 256 output tokens, the setup served comparisons use.
     parser.add_argument("--input-len", type=int, default=512, help="random prompts (qwen3-8b)")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
