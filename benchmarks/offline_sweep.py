@@ -260,9 +260,11 @@ def engine_kwargs(
     max_num_seqs: int = 256,
     gpu_memory_utilization: float = 0.85,
     kv_cache_memory_bytes: int | None = None,
+    cudagraph_mode: str | None = None,
 ) -> dict:
     """The engine arguments of every sweep arm (and of step_breakdown.py); ``graphs_to``:
     capture CUDA graphs up to that many tokens per step instead of vLLM's 512;
+    ``cudagraph_mode``: vLLM's (default: its own, FULL_AND_PIECEWISE);
     ``max_num_batched_tokens``: vLLM's (default: its own, 16,384 offline on an H100/H200);
     ``max_num_seqs``: the requests the engine runs at once (``--refill``: the concurrency);
     ``gpu_memory_utilization``: its share of the GPU and ``kv_cache_memory_bytes``: a fixed
@@ -286,8 +288,13 @@ def engine_kwargs(
         # 0.53-0.57 s for the first arm and the arms in engines of their own (5b1d70a).
         enable_prefix_caching=False,
     )
+    compilation = {}
     if graphs_to:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(graphs_to)}
+        compilation["cudagraph_capture_sizes"] = capture_sizes(graphs_to)
+    if cudagraph_mode:
+        compilation["cudagraph_mode"] = cudagraph_mode
+    if compilation:
+        kwargs["compilation_config"] = compilation
     if max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     return kwargs
@@ -389,6 +396,7 @@ class Engine:
             spec.get("max_num_seqs", 256),
             spec.get("gpu_memory_utilization", 0.85),
             spec.get("kv_cache_memory_bytes"),
+            spec.get("cudagraph_mode"),
         )
         # What the pair needs beyond (DSV4_ENGINE for a DeepSeek-V4 shape).
         kwargs |= spec.get("engine") or {}
@@ -828,6 +836,11 @@ def main() -> int:
         "--graphs-to", type=int, help="capture CUDA graphs up to this many tokens (every arm)"
     )
     parser.add_argument(
+        "--cudagraph-mode",
+        help="vLLM's CUDA-graph mode for every arm, e.g. FULL_DECODE_ONLY (DeepSeek-V4's "
+        "PIECEWISE graphs fault under DSpark on vLLM 0.26.0: docs/design/deepseek-v4.md)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per concurrency (the median counts)"
     )
     parser.add_argument(
@@ -958,6 +971,7 @@ def main() -> int:
             "output_len": args.output_len,
             "concurrency": concurrencies,
             "graphs_to": args.graphs_to,
+            "cudagraph_mode": args.cudagraph_mode,
             "repeats": args.repeats,
             "min_requests": args.min_requests,
             "prompts": args.prompts or ("heldout" if args.pair == "embedded" else "arithmetic"),

@@ -93,6 +93,13 @@ def test_graphs_to_extends_vllms_capture_sizes_past_512():
     # 256 requests of a K=7 DSpark drafter (7 query tokens each) have a draft graph; the
     # target's 8 tokens each fit 2,048.
     assert {256 * 7, 256 * 8} <= set(capture_sizes(2048))
+    # A graph mode joins the sizes (DeepSeek-V4 with FULL decode graphs only).
+    assert engine_kwargs("m", graphs_to=2048, cudagraph_mode="FULL_DECODE_ONLY")[
+        "compilation_config"
+    ] == {"cudagraph_capture_sizes": capture_sizes(2048), "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert engine_kwargs("m", cudagraph_mode="FULL_DECODE_ONLY")["compilation_config"] == {
+        "cudagraph_mode": "FULL_DECODE_ONLY"
+    }
 
 
 def test_sweep_engines_cache_no_prefix():

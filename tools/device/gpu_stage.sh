@@ -127,8 +127,9 @@
 #            shared engine), graphs to 2,048 tokens, at 1, 16, 64, 256 requests, each arm's
 #            greedy outputs checked against no speculation's (--greedy-check); rows
 #            {shape, arm, verify, concurrency, tok_s, greedy_identical, ...} in
-#            deepseek_v4.json. Untimed so far: run it from the queue. Third and fourth
-#            arguments: other arms, other concurrencies
+#            deepseek_v4.json. Untimed so far: run it from the queue. Third, fourth and
+#            fifth arguments: other arms, other concurrencies, a CUDA-graph mode (e.g.
+#            FULL_DECODE_ONLY)
 # MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
 # qwen3 for the Qwen3 MoE stages, dsv4 for the DeepSeek-V4 ones).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -441,7 +442,7 @@ case "$stage" in
     timeout 3600 python3 benchmarks/offline_sweep.py --pair dsv4-flash-reduced --acceptance confidence \
       --arms "${3:-nospec,dspark,sps-masked,sps}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
-      --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
+      ${5:+--cudagraph-mode "$5"} --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
