@@ -93,6 +93,21 @@ def probed() -> dict:
     return run_probe(Path(__file__), *sorted(DSV4), timeout=1200)
 
 
+def test_building_the_config_imports_attention_before_breakable_graphs_are_on(probed):
+    """vLLM 0.26.0 turns breakable CUDA graphs on for DeepSeek-V4 (VLLM_USE_BREAKABLE_
+    CUDAGRAPH=1) only once its config is built, but building the model config already
+    imported the model's modules (``get_quantization_config`` imports
+    ``vllm.models.deepseek_v4``), whose attention was then decorated with the graphs off:
+    in this process, and in an engine core forked from it, attention stays inside the
+    PIECEWISE graphs (docs/design/deepseek-v4.md). When this fails, vLLM changed."""
+    assert probed["breakable"] == {
+        "env_before_config": None,
+        "attention_imported_before_config": False,
+        "env_after_config": "1",
+        "attention_breaks_graphs": False,
+    }
+
+
 @pytest.mark.parametrize("shape", sorted(DSV4))
 def test_vllm_builds_the_target_with_its_dspark_module(shape, probed):
     config = deepseek_v4_config(shape)
@@ -242,12 +257,23 @@ def _probe(shapes: list[str]) -> dict:
 
     root = Path(tempfile.mkdtemp())
     report = {}
+    attention = "vllm.models.deepseek_v4.attention"
+    breakable = {
+        "env_before_config": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
+        "attention_imported_before_config": attention in sys.modules,
+    }
     for index, shape in enumerate(shapes):
         folder = write_deepseek_v4_shape(shape, root)
         config = engine_config(
             folder,
             speculative_config={"method": "dspark", "num_speculative_tokens": NUM_DRAFTS},
         )
+        if index == 0:
+            impl = sys.modules[attention].DeepseekV4Attention.attention_impl
+            report["breakable"] = breakable | {
+                "env_after_config": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
+                "attention_breaks_graphs": hasattr(impl, "__wrapped__"),
+            }
         with set_current_vllm_config(config):
             if index == 0:
                 init_distributed_environment(

@@ -443,9 +443,11 @@ def test_run_dummy_asks_the_probe_for_a_drafter_held_in_the_target(monkeypatch):
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# stand-in python3: logs each call (a -c check as "check") with the routing variable
+# stand-in python3: logs each call (a -c check as "check") with the routing and graph
+# variables
 if [ "$1" = -c ]; then echo "check" >> "$CALLS"; exit "${FAKE_CHECK_RC:-0}"; fi
-echo "$*|${VLLM_MOE_ROUTING_SIMULATION_STRATEGY:-}" >> "$CALLS"
+graphs="${VLLM_USE_BREAKABLE_CUDAGRAPH:-}|${DSV4_CUDAGRAPH_MODE:-}"
+echo "$*|${VLLM_MOE_ROUTING_SIMULATION_STRATEGY:-}|$graphs" >> "$CALLS"
 [ "$1" = -m ] && exit "${FAKE_PYTEST_RC:-0}"
 exit 0
 """
@@ -488,9 +490,21 @@ def test_the_dsv4_lossless_stage_exits_with_pytests_status(stage):
     assert returncode == 3
     assert calls[0] == "check"
     assert calls[1].startswith("-m pytest tests/gpu/test_dsv4_lossless_gpu.py ")
-    assert calls[1].endswith("|")  # the model's own routers
+    assert calls[1].endswith("|||")  # the model's own routers, vLLM's own graphs
     returncode, stderr, calls = stage("dsv4-lossless", "abc", FAKE_CHECK_RC="1")
     assert returncode == 1 and calls == ["check"] and "dsv4 set" in stderr
+
+
+def test_dsv4_stages_take_a_graph_mode_or_breakable_graphs_from_the_start(stage):
+    _, _, calls = stage("dsv4-lossless", "abc", "FULL_DECODE_ONLY")
+    assert calls[1].endswith("||FULL_DECODE_ONLY")
+    _, _, calls = stage("dsv4-lossless", "abc", "breakable")
+    assert calls[1].endswith("|1|")
+    _, _, calls = stage("dsv4", "abc", "nospec", "1", "FULL_DECODE_ONLY")
+    args = calls[1].split("|")[0].split()
+    assert args[args.index("--cudagraph-mode") + 1] == "FULL_DECODE_ONLY"
+    _, _, calls = stage("dsv4", "abc", "nospec", "1", "breakable")
+    assert "--cudagraph-mode" not in calls[1] and calls[1].split("|")[2] == "1"
 
 
 def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
@@ -502,8 +516,8 @@ def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
     the arms and concurrencies."""
     returncode, _, calls = stage("dsv4", "abc")
     assert returncode == 0 and calls[0] == "check"
-    command, routing = calls[1].split("|")
-    assert routing == "uniform_random"
+    command, routing, breakable, graph_mode = calls[1].split("|")
+    assert routing == "uniform_random" and not (breakable or graph_mode)
     script, *args = command.split()
     assert script == "benchmarks/offline_sweep.py"
     out = args.index("--out")

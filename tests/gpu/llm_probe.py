@@ -14,14 +14,16 @@ memory the engine does not hold with NaN, then hand it back to the allocator),
 and "compile" (:func:`compilation_config`), "sync_segments" (the engine core in this
 process, each segment of a PIECEWISE breakable graph synchronised:
 :func:`install_segment_sync`), "eager_draft" (the engine core in this process, the
-drafter without CUDA graphs: :func:`install_eager_draft`), "margins" (also return, per
-prompt and output position, the top-two logprob gap: :func:`top_two_gap`), "engine" (further LLM()
-arguments, e.g. kv_cache_dtype and block_size), "accept_by_target" (with
+drafter without CUDA graphs: :func:`install_eager_draft`), "breakable_env" (vLLM's
+breakable CUDA graphs switched on before vLLM is imported: :func:`main`), "margins" (also
+return, per prompt and output position, the top-two logprob gap: :func:`top_two_gap`),
+"engine" (further LLM() arguments, e.g. kv_cache_dtype and block_size), "accept_by_target" (with
 dspark_synthetic_confidence: drafts accepted as the target chooses, the synthetic
 confidences steering capacity control alone: offline_sweep.accept_by_target)}. Prints
 one JSON line: the token ids per prompt, the spec-decode counts, the plugin's admission
 counts (compacted steps), the run's tokens per second, whether vllm-dspark's patches were
-applied, and with "check_draft_slots" the check's counts ("draft_slots")."""
+applied, with "check_draft_slots" the check's counts ("draft_slots"), and with
+"sync_segments" the segment counts of the breakable graphs replayed ("breakable_segments")."""
 
 import json
 import os
@@ -76,6 +78,11 @@ def segment_name(segment) -> str:
     return f"the eager {op} of {getattr(owner, 'prefix', 'an unnamed module')}"
 
 
+# How many segments the breakable graphs replayed had (one: no eager break, attention
+# captured inside the graph).
+REPLAYED_SEGMENTS: set[int] = set()
+
+
 def install_segment_sync() -> None:
     """Wait for every segment of a breakable CUDA graph's replay (vLLM runs DeepSeek-V4's
     PIECEWISE steps so: captured graphs, its attention eager between them), so that a
@@ -84,6 +91,7 @@ def install_segment_sync() -> None:
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 
     def replay(self) -> None:
+        REPLAYED_SEGMENTS.add(len(self.segments))
         for index, segment in enumerate(self.segments):
             segment()
             try:
@@ -273,6 +281,11 @@ def read_draft_slot_check(worker) -> dict:
 
 
 def main(spec: dict) -> None:
+    if spec.get("breakable_env"):
+        # vLLM 0.26.0 sets this for DeepSeek-V4 only once its config is built, after
+        # building the model config imported the model's modules, whose attention then
+        # stays inside captured graphs where the engine core is forked from this process.
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
@@ -391,6 +404,8 @@ def main(spec: dict) -> None:
         result["probe_pid"] = os.getpid()
     if spec.get("check_draft_slots"):
         result["draft_slots"] = llm.collective_rpc(read_draft_slot_check)[0]
+    if spec.get("sync_segments"):
+        result["breakable_segments"] = sorted(REPLAYED_SEGMENTS)
     print("PROBE " + json.dumps(result), flush=True)  # before any hang at exit
 
 

@@ -48,6 +48,7 @@ from shapes import write_deepseek_v4_shape
 
 # vLLM's CUDA-graph mode for every engine of the lossless tests, when set (gpu_stage.sh
 # dsv4-lossless MODE): FULL_DECODE_ONLY runs whatever is not a uniform decode eagerly.
+# (gpu_stage.sh dsv4-lossless breakable sets VLLM_USE_BREAKABLE_CUDAGRAPH=1 instead.)
 GRAPH_MODE = os.environ.get("DSV4_CUDAGRAPH_MODE")
 GRAPHS = {"compilation_config": {"cudagraph_mode": GRAPH_MODE}} if GRAPH_MODE else {}
 ENGINE = DSV4_ENGINE | GRAPHS
@@ -183,13 +184,17 @@ def result_writer(name: str, command: str, arms: str, nospec: dict):
 
 # Engines stock DSpark must run in. On an H100 (6e7cb70) the eager one ran and vLLM's
 # default graphs (FULL and PIECEWISE, 1,024 or 8,192 tokens) faulted in the first PIECEWISE
-# replay: "piecewise" waits for each of its segments, to name the one that faults, and
-# "piecewise-eager-draft" captures no draft graphs (captured after the target's, in the
-# same pool); FULL decode graphs alone leave every step that is not a uniform decode eager.
+# replay: "piecewise" waits for each of its segments, to name the one that faults;
+# "piecewise-no-draft-graphs" captures no draft graphs (captured after the target's, in
+# the same pool); "piecewise-breakable-env" turns vLLM's breakable graphs on before its
+# model modules are imported (built on CPU, the model config imports them before vLLM
+# turns them on, so attention may stay inside the captured graphs); FULL decode graphs
+# alone leave every step that is not a uniform decode eager.
 STOCK_ENGINES = {
     "eager": ({"enforce_eager": True}, {}),
     "piecewise": ({}, {"sync_segments": True}),
-    "piecewise-eager-draft": ({}, {"sync_segments": True, "eager_draft": True}),
+    "piecewise-no-draft-graphs": ({}, {"sync_segments": True, "eager_draft": True}),
+    "piecewise-breakable-env": ({}, {"sync_segments": True, "breakable_env": True}),
     "full-decode-only": ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, {}),
 }
 
@@ -202,6 +207,7 @@ def test_dsv4_stock_dspark_starts_and_generates(dsv4_folder, variant):
     synchronous kernel launches, so that a fault names its kernel."""
     engine, probe = STOCK_ENGINES[variant]
     out = run(dsv4_folder, {}, engine=DSV4_ENGINE | engine, **probe)
+    print(variant, "breakable graph segments replayed:", out.get("breakable_segments"))
     assert [len(ids) for ids in out["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS
 
 

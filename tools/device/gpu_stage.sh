@@ -115,12 +115,14 @@
 #            compact graphs (another engine), against no speculation
 #            (tests/gpu/test_dsv4_lossless_gpu.py; four engines); queue it as
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage.
-#            Third argument: a CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY)
+#            Third argument: a CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY),
+#            or "breakable" (VLLM_USE_BREAKABLE_CUDAGRAPH=1 set before vLLM starts)
 #   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, with vLLM's default
 #            graphs (each PIECEWISE segment synchronised, to name the one that faults; also
-#            with the drafter eager) and with FULL decode graphs only, every kernel launch
-#            synchronous and workspace resizes logged (four engines, about 2.5 minutes
-#            each). Third argument: a pytest -k filter of the engines (e.g. "not eager")
+#            with no draft graphs, and with breakable graphs on before vLLM starts) and with
+#            FULL decode graphs only, every kernel launch synchronous and workspace resizes
+#            logged (five engines, 1 to 6.5 minutes each). Third argument: a pytest -k
+#            filter of the engines (e.g. "not eager")
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
 #            no speculation, stock DSpark k=7, sps verified masked and compacted (one
@@ -129,7 +131,7 @@
 #            {shape, arm, verify, concurrency, tok_s, greedy_identical, ...} in
 #            deepseek_v4.json. Untimed so far: run it from the queue. Third, fourth and
 #            fifth arguments: other arms, other concurrencies, a CUDA-graph mode (e.g.
-#            FULL_DECODE_ONLY)
+#            FULL_DECODE_ONLY) or "breakable" (as dsv4-lossless's)
 # MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
 # qwen3 for the Qwen3 MoE stages, dsv4 for the DeepSeek-V4 ones).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -153,6 +155,13 @@ vllm_dsv4_env() {
   python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
 import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
     || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
+}
+dsv4_graphs() {
+  # How DeepSeek-V4 engines capture graphs: "breakable" turns vLLM's breakable CUDA graphs
+  # on before vLLM is imported (it would only once the model's modules are, see
+  # docs/design/deepseek-v4.md); any other value is a cudagraph_mode (graph_mode).
+  graph_mode=""
+  if [ "$1" = breakable ]; then export VLLM_USE_BREAKABLE_CUDAGRAPH=1; else graph_mode=$1; fi
 }
 use_recalibrated() {
   # Each call brings a fresh copy of the tree: put the recalibrated pair back in place.
@@ -429,20 +438,22 @@ case "$stage" in
     ;;
   dsv4-lossless)
     vllm_dsv4_env
-    # An optional CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY).
-    DSV4_CUDAGRAPH_MODE=${3:-} timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
+    # An optional CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY), or "breakable".
+    dsv4_graphs "${3:-}"
+    DSV4_CUDAGRAPH_MODE=${graph_mode:-} timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
       -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
     ;;
   dsv4)
     vllm_dsv4_env
+    dsv4_graphs "${5:-}"
     # Dummy routers send every token to the same few experts (docs/design/deepseek-v4.md):
     # balanced random routing instead, which changes no output (the experts are zero).
     export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random
     timeout 3600 python3 benchmarks/offline_sweep.py --pair dsv4-flash-reduced --acceptance confidence \
       --arms "${3:-nospec,dspark,sps-masked,sps}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
-      ${5:+--cudagraph-mode "$5"} --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
+      ${graph_mode:+--cudagraph-mode "$graph_mode"} --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
