@@ -99,12 +99,15 @@ def test_building_the_config_imports_attention_before_breakable_graphs_are_on(pr
     imported the model's modules (``get_quantization_config`` imports
     ``vllm.models.deepseek_v4``), whose attention was then decorated with the graphs off:
     in this process, and in an engine core forked from it, attention stays inside the
-    PIECEWISE graphs (docs/design/deepseek-v4.md). When this fails, vLLM changed."""
+    PIECEWISE graphs (docs/design/deepseek-v4.md), until the plugin's patch decorates it
+    again. When this fails, vLLM changed."""
     assert probed["breakable"] == {
         "env_before_config": None,
         "attention_imported_before_config": False,
         "env_after_config": "1",
         "attention_breaks_graphs": False,
+        # patches/dsv4_breakable_attention.py decorates it again, once.
+        "attention_breaks_graphs_patched": True,
     }
 
 
@@ -269,11 +272,19 @@ def _probe(shapes: list[str]) -> dict:
             speculative_config={"method": "dspark", "num_speculative_tokens": NUM_DRAFTS},
         )
         if index == 0:
-            impl = sys.modules[attention].DeepseekV4Attention.attention_impl
+            from vllm_dspark.patches import dsv4_breakable_attention
+
+            layer = sys.modules[attention].DeepseekV4Attention
             report["breakable"] = breakable | {
                 "env_after_config": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
-                "attention_breaks_graphs": hasattr(impl, "__wrapped__"),
+                "attention_breaks_graphs": hasattr(layer.attention_impl, "__wrapped__"),
             }
+            dsv4_breakable_attention.apply()
+            patched = layer.attention_impl
+            dsv4_breakable_attention.apply()  # idempotent
+            report["breakable"]["attention_breaks_graphs_patched"] = (
+                hasattr(patched, "__wrapped__") and layer.attention_impl is patched
+            )
         with set_current_vllm_config(config):
             if index == 0:
                 init_distributed_environment(

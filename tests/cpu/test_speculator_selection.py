@@ -57,3 +57,19 @@ def test_a_capacity_speculator_brings_the_compaction_patches(
     build_speculator(engine_config, model_dirs, "dspark", dspark_capacity="threshold")
     assert hasattr(runner.execute_model, ORIGINAL_ATTR)
     assert hasattr(model_state.prepare_attn, ORIGINAL_ATTR)
+
+
+@pytest.mark.parametrize("draft,applied", [("dspark", True), ("dflash", False)])
+def test_a_dspark_speculator_breaks_deepseek_v4_attention_out_of_graphs(
+    engine_config, model_dirs, monkeypatch, draft, applied
+):
+    """The plugin's DSpark speculator, before any graph is captured, has DeepSeek-V4's
+    attention decorated again where breakable graphs are on (patches/
+    dsv4_breakable_attention.py); DFlash's and stock's leave it as vLLM made it."""
+    from vllm_dspark.patches import dsv4_breakable_attention
+
+    calls = []
+    monkeypatch.setattr(dsv4_breakable_attention, "apply", lambda: calls.append(True))
+    build_speculator(engine_config, model_dirs, draft)
+    build_speculator(engine_config, model_dirs, draft, dspark_fp8_draft_head=True)
+    assert calls == ([True] if applied else [])

@@ -212,6 +212,21 @@ def test_dsv4_stock_dspark_starts_and_generates(dsv4_folder, variant):
 
 
 @pytest.mark.gpu
+def test_dsv4_plugin_dspark_starts_and_generates(dsv4_folder):
+    """With a capacity mode the plugin's speculator decorates DeepSeek-V4's attention
+    again before graph capture (patches/dsv4_breakable_attention.py): sps verified masked
+    starts with vLLM's default graphs, its engine core forked as LLM() forks it, and
+    returns every token."""
+    options = {
+        "dspark_capacity": "sps",
+        "dspark_varlen_verify": False,
+        "dspark_synthetic_confidence": SYNTHETIC_CONFIDENCE,
+    }
+    out = run(dsv4_folder, options, engine=DSV4_ENGINE)
+    assert [len(ids) for ids in out["token_ids"]] == [MAX_TOKENS] * NUM_PROMPTS
+
+
+@pytest.mark.gpu
 def test_dsv4_greedy_lossless_stock_and_masked_capacity_modes(dsv4_folder, nospec):
     save = result_writer(
         "dsv4_lossless_gpu.json",

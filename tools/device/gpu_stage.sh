@@ -120,9 +120,10 @@
 #   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, with vLLM's default
 #            graphs (each PIECEWISE segment synchronised, to name the one that faults; also
 #            with no draft graphs, and with breakable graphs on before vLLM starts) and with
-#            FULL decode graphs only, every kernel launch synchronous and workspace resizes
-#            logged (five engines, 1 to 6.5 minutes each). Third argument: a pytest -k
-#            filter of the engines (e.g. "not eager")
+#            FULL decode graphs only; and the plugin's sps, masked, with default graphs;
+#            every kernel launch synchronous and workspace resizes logged (six engines, 1
+#            to 6.5 minutes each). Third argument: a pytest -k filter (e.g. "not eager and
+#            not draft")
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
 #            no speculation, stock DSpark k=7, sps verified masked and compacted (one

@@ -60,6 +60,12 @@ PATCHES = (
         "gives DeepSeek-V4's attention builders a compacted step's host and device layout",
     ),
     Patch(
+        "vllm_dspark.patches.dsv4_breakable_attention",
+        "worker",
+        False,
+        "runs DeepSeek-V4's attention between PIECEWISE graph segments, as vLLM intends",
+    ),
+    Patch(
         "vllm_dspark.patches.sps_autoprofile",
         "worker",
         False,

@@ -32,6 +32,11 @@ def _make_wrapper(init_speculator):
 
         cls = DSparkPluginSpeculator if method == "dspark" else DFlashPluginSpeculator
         speculator = cls(vllm_config, device, options)
+        if method == "dspark":
+            # Before the runner captures graphs: DeepSeek-V4's attention out of them.
+            from vllm_dspark.patches import dsv4_breakable_attention
+
+            dsv4_breakable_attention.apply()
         if speculator.controller.controls_capacity:
             # The runner is imported by now: its own hooks go in only when needed.
             from vllm_dspark.patches import admission_metrics, compact_verification, dsv4_compact
