@@ -441,7 +441,8 @@ case "$stage" in
     vllm_dsv4_env
     # An optional CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY), or "breakable".
     dsv4_graphs "${3:-}"
-    DSV4_CUDAGRAPH_MODE=${graph_mode:-} timeout 2400 python3 -m pytest tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
+    DSV4_CUDAGRAPH_MODE=${graph_mode:-} timeout 2400 python3 -m pytest \
+      tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
       -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
     ;;
@@ -454,7 +455,8 @@ case "$stage" in
     timeout 3600 python3 benchmarks/offline_sweep.py --pair dsv4-flash-reduced --acceptance confidence \
       --arms "${3:-nospec,dspark,sps-masked,sps}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
-      ${graph_mode:+--cudagraph-mode "$graph_mode"} --out "$OUT/deepseek_v4.json" 2>&1 | quiet | tee "$OUT/deepseek_v4.log" | tail -30
+      ${graph_mode:+--cudagraph-mode "$graph_mode"} --out "$OUT/deepseek_v4.json" 2>&1 \
+      | quiet | tee "$OUT/deepseek_v4.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
