@@ -909,6 +909,20 @@ def test_a_profiled_curve_handed_over_ends_the_need_for_a_profile(plugin_specula
     assert controller.profiled_sps_curve == [[8, 250.0], [64, 125.0]]
 
 
+def test_sps_proposals_before_the_curve_is_profiled_record_nothing(sps_speculator):
+    """sps_curve=auto has no curve until graph capture, and DeepSeek-V4's attention warm-up
+    runs whole steps before it: their proposals are neither weighed nor recorded."""
+    controller = sps_speculator().controller
+    controller.sps_table = controller.sps_table_host = None  # as sps_curve=auto before capture
+    controller.drafted_last = True
+    recorded = controller.stale_budget.proposals
+    controller.observe_proposal(torch.arange(4), torch.full((4, 7), 0.9))
+    assert controller.stale_budget.proposals == recorded
+    controller.set_sps_curve([[1, 100.0], [16, 99.0], [128, 20.0]], torch.device("cpu"))
+    controller.observe_proposal(torch.arange(4), torch.full((4, 7), 0.9))
+    assert controller.stale_budget.proposals == recorded + 1
+
+
 def test_sps_auto_profiles_after_capture_and_hands_the_curve_over(monkeypatch):
     from vllm_dspark.capacity.allocation import sps_table_from_curve
     from vllm_dspark.patches import sps_autoprofile

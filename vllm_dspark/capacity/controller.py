@@ -797,8 +797,12 @@ class CapacityController(DepthControl):
         kernel computes both (:mod:`vllm_dspark.capacity.proposal_kernel`)."""
         if self.acceptance is not None or (self.draft_gate is None and self.stale_budget is None):
             return  # acceptance reads verified steps, not proposals
-        num_reqs = survival.shape[0]
         sps = self.options.capacity == "sps"
+        if sps and self.sps_table is None:
+            # A warm-up step before sps_curve=auto is profiled (DeepSeek-V4's attention
+            # warm-up runs whole steps before graph capture): nothing to weigh it by.
+            return
+        num_reqs = survival.shape[0]
         threshold = self.options.confidence_threshold
         fixed = per_draft = compaction = 0.0
         sps_table = None
