@@ -75,6 +75,17 @@ def resting_speculator(sps_speculator, proposals: int):
     return speculator
 
 
+def propose_call(num_reqs: int) -> dict:
+    """The speculator's propose arguments for ``num_reqs`` requests in slots 0.., those a
+    stubbed draft does not read left None."""
+    unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
+    unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
+    return dict.fromkeys(unused) | {
+        "input_batch": SimpleNamespace(num_reqs=num_reqs, idx_mapping=torch.arange(num_reqs)),
+        "num_sampled": torch.ones(num_reqs, dtype=torch.int64),
+    }
+
+
 def test_a_resting_step_runs_vllms_own_step_counted_as_admitting_every_draft(sps_speculator):
     from vllm_dspark.verify.layout import step_facts
 
@@ -105,12 +116,7 @@ def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans
     monkeypatch.setattr(
         speculator.controller, "_observe_real_step", lambda *a: planned.append(True)
     )
-    unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
-    unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
-    call = dict.fromkeys(unused) | {
-        "input_batch": SimpleNamespace(num_reqs=16, idx_mapping=torch.arange(16)),
-        "num_sampled": torch.ones(16, dtype=torch.int64),
-    }
+    call = propose_call(16)
 
     def propose():
         return speculator.propose(**call)
@@ -146,12 +152,7 @@ def test_synthetic_acceptance_reads_every_proposals_survival_resting_or_not(
         return "drafted"
 
     monkeypatch.setattr(DSparkSpeculator, "propose", drafted)
-    unused = ["last_hidden_states", "aux_hidden_states", "num_rejected", "last_sampled"]
-    unused += ["attn_metadata", "slot_mappings", "next_prefill_tokens", "temperature", "seeds"]
-    call = dict.fromkeys(unused) | {
-        "input_batch": SimpleNamespace(num_reqs=16, idx_mapping=torch.arange(16)),
-        "num_sampled": torch.ones(16, dtype=torch.int64),
-    }
+    call = propose_call(16)
     assert speculator.propose(**call) == "drafted" and speculator.controller.resting
     assert torch.equal(speculator.synthetic_slot_survival, drawn)
     assert not torch.equal(speculator.controller.slot_survival[:16], drawn)
