@@ -116,7 +116,9 @@
 #            (tests/gpu/test_dsv4_lossless_gpu.py; four engines); queue it as
 #            "dsv4-lossless!" so that a failure stops the queue before the timed stage.
 #            Third argument: a CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY),
-#            or "breakable" (VLLM_USE_BREAKABLE_CUDAGRAPH=1 set before vLLM starts)
+#            or "breakable" (VLLM_USE_BREAKABLE_CUDAGRAPH=1 set before vLLM starts);
+#            fourth: a pytest -k filter (e.g. "compact": no speculation and the compact
+#            engine only)
 #   dsv4-probe  stock DSpark k=7 on the tiny-dsv4 shape, eager, with vLLM's default
 #            graphs (each PIECEWISE segment synchronised, to name the one that faults; also
 #            with no draft graphs, and with breakable graphs on before vLLM starts) and with
@@ -439,10 +441,11 @@ case "$stage" in
     ;;
   dsv4-lossless)
     vllm_dsv4_env
-    # An optional CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY), or "breakable".
+    # An optional CUDA-graph mode for every engine (e.g. FULL_DECODE_ONLY), or "breakable";
+    # then an optional pytest -k filter (e.g. compact).
     dsv4_graphs "${3:-}"
     DSV4_CUDAGRAPH_MODE=${graph_mode:-} timeout 2400 python3 -m pytest \
-      tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates" \
+      tests/gpu/test_dsv4_lossless_gpu.py -k "not starts_and_generates${4:+ and $4}" \
       -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/dsv4_lossless.log" | tail -12
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
     ;;
