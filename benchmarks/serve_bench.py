@@ -6,16 +6,17 @@
 For each arm (a named preset, ``ARM_PRESETS``) it starts `vllm serve` on loopback (the
 plugin loads itself, as a general plugin) with the arm's ``--speculative-config``, waits
 for ``/health``, warms the server up once at the saturating load (unrecorded), then runs
-`vllm bench serve` (vLLM 0.26.0's own client) once per load: Poisson arrivals at each of
-``--rates`` requests per second, then every request at once (``--request-rate inf``) with
-at most ``--max-concurrency`` in flight. Each point keeps the client's own result JSON
-(under ``<out stem>_points/``) and scrapes ``/metrics`` before and after it for vLLM's
-spec-decode counters (acceptance length, accepted share per position); a speculating
-arm's server also runs the plugin's worker extension (``vllm_dspark.metrics.
-ServedCounters``, vLLM's dev-mode ``/collective_rpc``), read around each point for what
-capacity control decided there (``plugin``: compacted and mixed steps, drafts verified per
-request, proposals skipped or rested). Then the server stops, even on failure; an arm
-whose server fails is recorded and the others still run.
+`vllm bench serve` (vLLM 0.26.0's own client: its parser and ``main``, called in this
+process, which spares each point a new interpreter's ~15 s of imports) once per load:
+Poisson arrivals at each of ``--rates`` requests per second, then every request at once
+(``--request-rate inf``) with at most ``--max-concurrency`` in flight. Each point keeps
+the client's own result JSON (under ``<out stem>_points/``) and scrapes ``/metrics``
+before and after it for vLLM's spec-decode counters (acceptance length, accepted share per
+position); a speculating arm's server also runs the plugin's worker extension
+(``vllm_dspark.metrics.ServedCounters``, vLLM's dev-mode ``/collective_rpc``), read
+around each point for what capacity control decided there (``plugin``: compacted and mixed
+steps, drafts verified per request, proposals skipped or rested). Then the server stops,
+even on failure; an arm whose server fails is recorded and the others still run.
 
 The record (``--out``) holds the provenance (command, commit, date, device) and one row
 per point: {setup, arm, request_rate, output_tok_s, tpot_p50_ms, tpot_p90_ms,
@@ -41,9 +42,11 @@ Setups:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,7 +97,9 @@ SETUP_ARMS = {
     "embedded": ["nospec", "k7", "dynamic-sd", "sps"],
     "qwen3-8b": list(ARM_PRESETS),
 }
-DEFAULT_REQUEST_RATES = "1,4,16,32,64"
+# Light load to about no speculation's saturation on the Qwen3-8B shape (~34 requests/s at
+# 512 + 256 tokens on an H100); the `inf` point saturates every arm.
+DEFAULT_REQUEST_RATES = "1,4,16,32"
 # The plugin's counters in a served engine (read through /collective_rpc in dev mode).
 SERVED_COUNTERS = "vllm_dspark.metrics.ServedCounters"
 
@@ -279,9 +284,7 @@ def bench_command(
     ``--max-concurrency`` in flight), greedy unless ``--temperature``; vLLM's result JSON
     saved as ``result_dir/result_filename`` with TTFT, TPOT and ITL at p50 and p90."""
     command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
+        "vllm",
         "bench",
         "serve",
         "--backend",
@@ -485,6 +488,27 @@ def served_admission(url: str) -> AdmissionCounts:
     return AdmissionCounts(**collective_rpc(url, "dspark_admission_counts")[0])
 
 
+def bench_serve(command: list[str], log) -> None:
+    """Run ``command`` (``vllm bench serve ARGS``) in this process through vLLM's own
+    parser and ``main``, its printout into ``log``. A client that fails raises
+    RuntimeError, as a failed arm's server does."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(command[3:])
+    log.write(f"$ {shlex.join(command)}\n")
+    log.flush()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            main(args)
+    except Exception as error:
+        raise RuntimeError(f"vllm bench serve failed: {error!r}") from error
+    finally:
+        log.flush()
+
+
 def run_point(
     url: str, command: list[str], result_path: Path, log, speculating: bool
 ) -> tuple[dict, SpecDecodeCounts, AdmissionCounts | None]:
@@ -494,9 +518,7 @@ def run_point(
 
     before = spec_decode_counts(scrape_metrics(url))
     admitted_before = served_admission(url) if speculating else None
-    log.write(f"$ {' '.join(command)}\n")
-    log.flush()
-    subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+    bench_serve(command, log)
     after = spec_decode_counts(scrape_metrics(url))
     admission = served_admission(url) - admitted_before if speculating else None
     return json.loads(result_path.read_text()), after - before, admission
@@ -596,7 +618,7 @@ def main() -> int:
         for name in arms:
             try:
                 run_arm(name, models, args, points_dir, keep)
-            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
+            except (RuntimeError, TimeoutError) as error:
                 # The other arms still run; the logs under points_dir say why.
                 failed[name] = str(error)
                 print(f"{name} failed: {error}", file=sys.stderr, flush=True)

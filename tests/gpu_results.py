@@ -11,7 +11,8 @@ from vllm_dspark.demo.report import first_difference
 
 
 def write_result(filename: str, command: str, record: dict) -> None:
-    """``record`` under the command, commit, date and device, as ``filename`` in
+    """``record`` under the command, commit, date, device and the ``VLLM_*`` variables
+    set (a stage's switches, e.g. breakable graphs), as ``filename`` in
     ``DSPARK_RESULTS_DIR``. The GPU machine gets a copy of the tree without its git
     history: the caller names the commit in ``DSPARK_COMMIT``."""
     results_dir = os.environ.get("DSPARK_RESULTS_DIR")
@@ -24,6 +25,7 @@ def write_result(filename: str, command: str, record: dict) -> None:
         "commit": os.environ.get("DSPARK_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
     }
     Path(results_dir, filename).write_text(json.dumps(header | record, indent=2))
 

@@ -2,8 +2,11 @@
 and `vllm bench serve` (parsed by vLLM's own parsers), counters, rows, plot, tokenizer."""
 
 import contextlib
+import http.server
+import io
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -244,10 +247,10 @@ def parse_bench(command: list[str]):
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    assert command[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    assert command[:3] == ["vllm", "bench", "serve"]
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    return parser.parse_args(command[5:])
+    return parser.parse_args(command[3:])
 
 
 def test_a_poisson_point_and_the_saturating_point(qwen3_models, options, tmp_path):
@@ -267,6 +270,50 @@ def test_a_poisson_point_and_the_saturating_point(qwen3_models, options, tmp_pat
         bench_command(url, qwen3_models, float("inf"), 1024, tmp_path, "b.json", options)
     )
     assert saturating.request_rate == float("inf") and saturating.max_concurrency == 256
+
+
+class StreamingCompletions(http.server.BaseHTTPRequestHandler):
+    """/v1/completions as `vllm serve` streams it: a chunk per token, then the usage."""
+
+    protocol_version = "HTTP/1.0"  # the body ends where the connection closes
+    tokens = 4
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert request["stream"] and request["max_tokens"] == 128
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunks = [{"choices": [{"text": " w"}]}] * self.tokens
+        chunks.append({"choices": [], "usage": {"completion_tokens": self.tokens}})
+        for chunk in chunks:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_each_point_runs_vllms_client_in_this_process(qwen3_models, options, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StreamingCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    command = bench_command(url, qwen3_models, 8.0, 6, tmp_path, "p.json", options)
+    log = io.StringIO()
+    try:
+        serve_bench.bench_serve(command, log)
+    finally:
+        server.shutdown()
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["completed"] == 6 and result["total_output_tokens"] == 6 * 4
+    assert result["request_rate"] == 8.0
+    assert log.getvalue().startswith("$ vllm bench serve --backend vllm")
+    assert "Serving Benchmark Result" in log.getvalue()  # the client's printout, kept
+    # A client that cannot run (a dataset file that does not exist) fails the point.
+    broken = [*command, "--dataset-name", "custom", "--dataset-path", str(tmp_path / "none")]
+    with pytest.raises(RuntimeError, match="vllm bench serve failed"):
+        serve_bench.bench_serve(broken, io.StringIO())
 
 
 def test_the_embedded_client_reads_the_held_out_text(tmp_path, options):
