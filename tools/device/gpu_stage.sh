@@ -134,7 +134,9 @@
 #            {shape, arm, verify, concurrency, tok_s, greedy_identical, ...} in
 #            deepseek_v4.json. Untimed so far: run it from the queue. Third, fourth and
 #            fifth arguments: other arms, other concurrencies, a CUDA-graph mode (e.g.
-#            FULL_DECODE_ONLY) or "breakable" (as dsv4-lossless's)
+#            FULL_DECODE_ONLY) or "breakable" (as dsv4-lossless's); sixth: another shape
+#            (tiny-dsv4, whose kernels the JIT caches hold: a first check of the sweep's
+#            DeepSeek-V4 path in minutes)
 # MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
 # qwen3 for the Qwen3 MoE stages, dsv4 for the DeepSeek-V4 ones).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -455,7 +457,7 @@ case "$stage" in
     # Dummy routers send every token to the same few experts (docs/design/deepseek-v4.md):
     # balanced random routing instead, which changes no output (the experts are zero).
     export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random
-    timeout 3600 python3 benchmarks/offline_sweep.py --pair dsv4-flash-reduced --acceptance confidence \
+    timeout 3600 python3 benchmarks/offline_sweep.py --pair "${6:-dsv4-flash-reduced}" --acceptance confidence \
       --arms "${3:-nospec,dspark,sps-masked,sps}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
       ${graph_mode:+--cudagraph-mode "$graph_mode"} --out "$OUT/deepseek_v4.json" 2>&1 \
