@@ -191,6 +191,16 @@ ARMS = {
     # verification, as DeepSeek-V4's do.
     "sps-masked": {"dspark_capacity": "sps", "dspark_varlen_verify": False},
     "acceptance-masked": {"dspark_capacity": "acceptance", "dspark_varlen_verify": False},
+    "budget-masked": {
+        "dspark_capacity": "budget",
+        "dspark_budget_frac": 0.5,
+        "dspark_varlen_verify": False,
+    },
+    "threshold-masked": {
+        "dspark_capacity": "threshold",
+        "dspark_confidence_threshold": 0.5,
+        "dspark_varlen_verify": False,
+    },
     # DFlash (no confidence head): fixed depth, and the acceptance-length controller.
     "dflash": {"method": "dflash"},
     # ... fixed depth, drafting as cheaply as the plugin can: what the cuts alone bring,

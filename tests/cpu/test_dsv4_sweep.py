@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import offline_sweep  # noqa: E402
+
+from vllm_dspark.config import DSparkOptions  # noqa: E402
 
 DSV4_ARMS = "nospec,dspark,sps-masked,acceptance-masked"
 STAGE_ARMS = "nospec,dspark,sps-masked,sps"  # gpu_stage.sh's dsv4 stage
@@ -156,6 +159,28 @@ def test_a_dsv4_sweep_refuses_dflash_arms_and_takes_compact_ones(fake_popen, mon
     ]
     start, _ = offline_sweep.shared_engine_plan(["sps", "sps-masked"], None)
     assert start["dspark_varlen_verify"] and start["dspark_dynamic_depth"]
+
+
+def test_every_capacity_mode_has_a_masked_arm_that_one_engine_switches_to(
+    fake_popen, monkeypatch, tmp_path
+):
+    """#56 asks DeepSeek-V4's reduced shape for greedy outputs under every capacity mode
+    verified masked: one engine takes them all, each row verifying masked."""
+    masked = ["sps-masked", "budget-masked", "threshold-masked", "acceptance-masked"]
+    modes = typing.get_args(DSparkOptions.model_fields["capacity"].annotation)
+    assert {offline_sweep.ARMS[arm]["dspark_capacity"] for arm in masked} == set(modes) - {"off"}
+    fake_popen.lines = lambda spec: [
+        row_line({"concurrency": 16, "tok_s": 1.0} | ({"arm": name} if name else {}))
+        for name, _ in spec["switch"] or [(None, None)]
+    ]
+    arms = ",".join(["nospec", *masked])
+    rows = sweep(monkeypatch, tmp_path, "--pair", "tiny-dsv4", "--arms", arms, "--shared-engine")
+    assert len(fake_popen.specs) == 2  # no speculation's engine and one shared engine
+    assert [name for name, _ in fake_popen.specs[-1]["switch"]] == masked
+    assert all(options["varlen_verify"] is False for _, options in fake_popen.specs[-1]["switch"])
+    assert {row["arm"]: row["verify"] for row in rows if row["arm"] != "nospec"} == dict.fromkeys(
+        masked, "masked"
+    )
 
 
 def test_a_dsv4_shared_engine_with_compact_arms_starts_compact_without_depth_graphs(
