@@ -246,7 +246,7 @@ def test_every_sps_configuration_of_the_sweep_counts_for_the_sps_mode():
 
     sps = {arm for arm, options in ARMS.items() if (options or {}).get("dspark_capacity") == "sps"}
     assert "sps-depth-plain-fp8" in sps and set(SPS_MODE_ARMS) == sps
-    assert {"budget", "threshold"} | sps == set(CAPACITY_ARMS)
+    assert {"budget", "threshold", "budget-masked", "threshold-masked"} | sps == set(CAPACITY_ARMS)
 
 
 def test_step_cost_targets_take_the_best_cut_and_the_newest_k3_run(tmp_path):
