@@ -6,6 +6,10 @@
         --out benchmarks/results/depth_sts.json
     python tools/targets_summary.py benchmarks/results step-cost \
         --out benchmarks/results/step_cost_targets.json
+    python tools/targets_summary.py benchmarks/results moe \
+        --out benchmarks/results/moe_targets.json
+    python tools/targets_summary.py benchmarks/results dsv4-compact \
+        --out benchmarks/results/dsv4_compact_targets.json
 
 Reads from RESULTS_DIR what the GPU stages wrote (``tools/device/gpu_stage.sh``). For
 ``capacity`` (confidence-scheduled capacity): ``capacity_sweep.json`` (one run per setup:
@@ -17,7 +21,10 @@ without dynamic depth), ``dflash_acceptance.json`` (``dflash``) and ``online_sts
 (``sts``). For ``step-cost`` (the fixed cost of a speculative step): ``step_breakdown.json``
 (``breakdown``), the newest ``step_breakdown_graphs*.json`` (the k=1 step with graphs to
 1,024 tokens) and the newest ``fixed_k3*.json`` (``fixed-k`` at k=3: no speculation, stock
-DSpark, the plugin's cuts). Writes one entry per target: {target, passes, measured,
+DSpark, the plugin's cuts). For ``moe`` (#56): ``moe_qwen3.json`` (``moe-qwen3``) and
+``deepseek_v4.json`` (``dsv4``). For ``dsv4-compact`` (#59):
+``dsv4_compact_lossless_gpu.json`` (``dsv4-lossless``) and ``deepseek_v4.json``. Writes
+one entry per target: {target, passes, measured,
 evidence}, ``passes`` None where its record is missing (named on standard error, never
 guessed).
 """
@@ -29,12 +36,13 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllm_dspark, from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # offline_sweep
 from offline_sweep import ARMS, startup_options  # noqa: E402
 
-from vllm_dspark.config import CONFIDENCE_MODES  # noqa: E402
+from vllm_dspark.config import CONFIDENCE_MODES, DSparkOptions  # noqa: E402
 
 DEPTH_RATIO_LIMIT = 0.6  # draft time at depth 2 over depth 7, at 256 requests
 ECE_LIMIT = 0.03
@@ -48,6 +56,18 @@ K1_STEP_LIMIT = 1.4  # DSpark k=1 step over no speculation's, 256 requests
 PHASES_TOLERANCE = 0.05  # the breakdown's phases against the measured step
 DFLASH_CONCURRENCIES = (1, 16, 64, 256)  # where the controller must match fixed depth
 CACHED_TTFT = 0.7  # an arm's time to a first token below this share of no speculation's
+MOE_SHAPE = "qwen3-30b-a3b"
+MOE_SPS_UNDER_LOAD = 1.15  # sps over no speculation at 256 requests
+DSV4_SHAPE = "dsv4-flash-reduced"
+DSV4_CONCURRENCIES = (1, 16, 64, 256)
+DSV4_TABLE_ARMS = ("nospec", "dspark", "sps-masked")  # the throughput #56 asks for
+# Every capacity mode but off: #56 asks the reduced shape's greedy outputs of each.
+CAPACITY_MODES = tuple(
+    mode for mode in get_args(DSparkOptions.model_fields["capacity"].annotation) if mode != "off"
+)
+COMPACT_UNDER_LOAD = 1.15  # compact sps over no speculation at 256 requests
+COMPACT_OVER_MASKED = 1.10  # compact sps over masked sps at 256 requests
+COMPACT_AT_ONE = 0.97  # compact sps over the best fixed depth at one request
 # The sweep's confidence-scheduled capacity arms, those of the sps mode (setup (b)'s sps
 # targets hold for the mode if one of its configurations meets them), and the fixed-depth
 # arms (stock DSpark k=7; the plugin's, capacity off in the capacity engine, where run).
@@ -491,6 +511,143 @@ def phases_add_up(record: dict) -> dict:
     }
 
 
+def _shape_tok_s(record: dict, shape: str) -> dict[tuple[str, int], float]:
+    return mean_tok_s([row for row in record["rows"] if row.get("shape") == shape])
+
+
+def _speculation_free(arm: str) -> bool:
+    """No speculation or speculation at a depth no controller sets (fixed k, Dynamic SD)."""
+    return "dspark_capacity" not in (ARMS.get(arm) or {})
+
+
+def moe_sps_against_the_best(record: dict) -> dict:
+    """Qwen3 MoE shape: sps against the best of no speculation and fixed k, at every
+    concurrency of the run."""
+    tok_s = _shape_tok_s(record, MOE_SHAPE)
+    measured = {}
+    for concurrency in sorted({c for arm, c in tok_s if arm == "sps"}):
+        rivals = {a: v for (a, c), v in tok_s.items() if c == concurrency and _speculation_free(a)}
+        best = max(rivals, key=rivals.get)
+        measured[str(concurrency)] = {
+            "best_other_arm": best,
+            "ratio": tok_s[("sps", concurrency)] / rivals[best],
+        }
+    return {
+        "target": f"{MOE_SHAPE}: sps >= the best of no speculation and fixed k at 1 / 16 / 64 "
+        "/ 256 requests",
+        "passes": _every(
+            [
+                measured[str(c)]["ratio"] >= 1.0 if str(c) in measured else None
+                for c in (1, 16, 64, 256)
+            ]
+        ),
+        "measured": measured,
+    }
+
+
+def moe_sps_under_load(record: dict) -> dict:
+    tok_s = _shape_tok_s(record, MOE_SHAPE)
+    sps, nospec = tok_s.get(("sps", 256)), tok_s.get(("nospec", 256))
+    ratio = sps / nospec if sps and nospec else None
+    return {
+        "target": f"{MOE_SHAPE}: sps at 256 requests >= {MOE_SPS_UNDER_LOAD}x no speculation",
+        "passes": None if ratio is None else ratio >= MOE_SPS_UNDER_LOAD,
+        "measured": {"sps": sps, "nospec": nospec, "ratio": ratio},
+    }
+
+
+def dsv4_masked_lossless(record: dict) -> dict:
+    """Reduced DeepSeek-V4: greedy outputs of every capacity mode verified masked."""
+    rows = [
+        r for r in record["rows"] if r.get("shape") == DSV4_SHAPE and r.get("verify") == "masked"
+    ]
+    by_mode: dict[str, list[bool | None]] = {}
+    for row in rows:
+        by_mode.setdefault(ARMS[row["arm"]]["dspark_capacity"], []).append(row["greedy_identical"])
+    verdicts = [
+        _every([bool(v) if v is not None else None for v in by_mode.get(mode, [None])])
+        for mode in CAPACITY_MODES
+    ]
+    return {
+        "target": f"{DSV4_SHAPE}: greedy outputs identical to no speculation for every "
+        "capacity mode verified masked",
+        "passes": _every(verdicts),
+        "measured": {mode: by_mode.get(mode) for mode in CAPACITY_MODES},
+    }
+
+
+def dsv4_throughput_table(record: dict) -> dict:
+    """Reduced DeepSeek-V4: the table #56 asks for is complete (a measurement, no bound)."""
+    tok_s = _shape_tok_s(record, DSV4_SHAPE)
+    table = {
+        arm: {str(c): tok_s.get((arm, c)) for c in DSV4_CONCURRENCIES} for arm in DSV4_TABLE_ARMS
+    }
+    return {
+        "target": f"{DSV4_SHAPE}: throughput of no speculation, stock DSpark and masked sps at "
+        "1 / 16 / 64 / 256 requests",
+        "passes": all(v is not None for row in table.values() for v in row.values()),
+        "measured": table,
+    }
+
+
+def dsv4_compact_lossless(record: dict) -> dict:
+    """The GPU test's compact arms: greedy outputs identical, and every compacted decode
+    step (one without prompts) from a FULL graph."""
+    measured = {
+        arm: {
+            "greedy_identical": result["greedy_token_ids_identical"],
+            "graph_steps": result["admission"]["graph_steps"],
+            "decode_steps": result["admission"]["steps"] - result["admission"]["mixed_steps"],
+        }
+        for arm, result in record["result"].items()
+    }
+    passes = bool(measured) and all(
+        m["greedy_identical"] and m["graph_steps"] == m["decode_steps"] for m in measured.values()
+    )
+    return {
+        "target": "every capacity mode verified compacted keeps greedy outputs, each "
+        "compacted decode step replayed from a FULL graph",
+        "passes": passes,
+        "measured": measured,
+    }
+
+
+def compact_sps_under_load(record: dict) -> dict:
+    tok_s = _shape_tok_s(record, DSV4_SHAPE)
+    sps = tok_s.get(("sps", 256))
+    rivals = {"nospec": COMPACT_UNDER_LOAD, "sps-masked": COMPACT_OVER_MASKED}
+    measured = {
+        arm: {"tok_s": tok_s.get((arm, 256)), "ratio": sps / tok_s[(arm, 256)], "bound": bound}
+        for arm, bound in rivals.items()
+        if sps and tok_s.get((arm, 256))
+    }
+    return {
+        "target": f"{DSV4_SHAPE}: compact sps at 256 requests >= {COMPACT_UNDER_LOAD}x no "
+        f"speculation and >= {COMPACT_OVER_MASKED}x masked sps",
+        "passes": _every(
+            [
+                measured[arm]["ratio"] >= bound if arm in measured else None
+                for arm, bound in rivals.items()
+            ]
+        ),
+        "measured": {"sps": sps} | measured,
+    }
+
+
+def compact_sps_at_one_request(record: dict) -> dict:
+    tok_s = _shape_tok_s(record, DSV4_SHAPE)
+    fixed = {a: v for (a, c), v in tok_s.items() if c == 1 and a in FIXED_K_ARMS}
+    sps = tok_s.get(("sps", 1))
+    best = max(fixed, key=fixed.get) if fixed else None
+    ratio = sps / fixed[best] if sps and best else None
+    return {
+        "target": f"{DSV4_SHAPE}: compact sps at one request >= {COMPACT_AT_ONE}x the best "
+        "fixed depth",
+        "passes": None if ratio is None else ratio >= COMPACT_AT_ONE,
+        "measured": {"sps": sps, "best_fixed_arm": best, "ratio": ratio},
+    }
+
+
 # Per issue: (record file, or a glob whose newest match by date counts; check[; which
 # records can be read: the newest of those counts]).
 CHECKS = {
@@ -505,6 +662,17 @@ CHECKS = {
         ("capacity_sweep.json", depth_gain),
         ("dflash_acceptance.json", dflash),
         ("online_sts.json", online_sts),
+    ],
+    "moe": [
+        ("moe_qwen3.json", moe_sps_against_the_best),
+        ("moe_qwen3.json", moe_sps_under_load),
+        ("deepseek_v4.json", dsv4_masked_lossless),
+        ("deepseek_v4.json", dsv4_throughput_table),
+    ],
+    "dsv4-compact": [
+        ("dsv4_compact_lossless_gpu.json", dsv4_compact_lossless),
+        ("deepseek_v4.json", compact_sps_under_load),
+        ("deepseek_v4.json", compact_sps_at_one_request),
     ],
     "step-cost": [
         ("step_breakdown_graphs*.json", k1_step_under_load),

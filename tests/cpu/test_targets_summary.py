@@ -143,10 +143,80 @@ def test_a_follow_up_run_of_more_repeats_pools_into_the_verdict():
 
 
 def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
-    for issue in ("capacity", "depth-sts", "step-cost"):
+    for issue, targets in [
+        ("capacity", 4),
+        ("depth-sts", 4),
+        ("step-cost", 4),
+        ("moe", 4),
+        ("dsv4-compact", 3),
+    ]:
         entries, missing = summarize(tmp_path, issue)
-        assert len(missing) == 4
+        assert len(missing) == len(entries) == targets
         assert all(entry["passes"] is None and entry["measured"] is None for entry in entries)
+
+
+def shape_rows(shape: str, tok_s: dict, **fields) -> list[dict]:
+    return [
+        {"shape": shape, "arm": arm, "concurrency": c, "tok_s": value} | fields
+        for (arm, c), value in tok_s.items()
+    ]
+
+
+def test_moe_targets_hold_sps_to_the_best_speculation_free_arm_everywhere(tmp_path):
+    tok_s = {("nospec", c): 100.0 * c for c in (1, 16, 64, 256)}
+    tok_s |= {("dspark", c): 200.0 * c for c in (1, 16, 64)} | {("dspark", 256): 150.0 * 256}
+    tok_s |= {("sps", c): 201.0 * c for c in (1, 16, 256)} | {("sps", 64): 199.0 * 64}
+    rows = shape_rows("qwen3-30b-a3b", tok_s) + shape_rows("tiny-moe", {("sps", 1): 1.0})
+    write(tmp_path, "moe_qwen3.json", {"rows": rows})
+    (against_best, under_load, masked, table), missing = summarize(tmp_path, "moe")
+    assert missing == ["deepseek_v4.json", "deepseek_v4.json"]
+    assert against_best["passes"] is False  # 64 requests: 0.995x stock k=7
+    assert against_best["measured"]["64"] == {"best_other_arm": "dspark", "ratio": 199 / 200}
+    assert against_best["measured"]["256"]["ratio"] == pytest.approx(201 / 150)
+    assert under_load["passes"] is True and under_load["measured"]["ratio"] == 2.01
+    # A concurrency not run leaves the verdict open, not met.
+    del tok_s[("sps", 64)]
+    write(tmp_path, "moe_qwen3.json", {"rows": shape_rows("qwen3-30b-a3b", tok_s)})
+    assert summarize(tmp_path, "moe")[0][0]["passes"] is None
+
+
+def dsv4_rows(tok_s: dict, greedy: dict) -> list[dict]:
+    verify = {"nospec": "none", "dspark": "none", "sps": "compact"}
+    rows = shape_rows("dsv4-flash-reduced", tok_s)
+    for row in rows:
+        row["verify"] = verify.get(row["arm"], "masked")
+        row["greedy_identical"] = greedy.get(row["arm"])
+    return rows
+
+
+def test_dsv4_targets_compare_compact_sps_with_no_speculation_masked_sps_and_fixed_depth(
+    tmp_path,
+):
+    tok_s = {("nospec", 1): 100.0, ("dspark", 1): 250.0, ("sps-masked", 1): 240.0}
+    tok_s |= {("sps", 1): 245.0, ("nospec", 256): 1000.0, ("dspark", 256): 900.0}
+    tok_s |= {("sps-masked", 256): 1100.0, ("sps", 256): 1200.0}
+    tok_s |= {(arm, 16): 1.0 for arm in ("budget-masked", "threshold-masked", "acceptance-masked")}
+    greedy = {arm: True for arm, _ in tok_s} | {"nospec": None, "dspark": None}
+    write(tmp_path, "deepseek_v4.json", {"rows": dsv4_rows(tok_s, greedy)})
+    results = {"sps": {"greedy_token_ids_identical": True}}
+    results["sps"]["admission"] = {"steps": 12, "mixed_steps": 2, "graph_steps": 10}
+    write(tmp_path, "dsv4_compact_lossless_gpu.json", {"result": results})
+    (lossless, under_load, at_one), _ = summarize(tmp_path, "dsv4-compact")
+    assert lossless["passes"] is True
+    assert under_load["passes"] is False  # 1.20x no speculation, but 1.09x masked sps
+    assert under_load["measured"]["sps-masked"]["ratio"] == pytest.approx(1200 / 1100)
+    assert under_load["measured"]["nospec"]["ratio"] == pytest.approx(1.2)
+    assert at_one["passes"] is True and at_one["measured"]["ratio"] == 245 / 250
+    (_, _, masked, table), _ = summarize(tmp_path, "moe")
+    assert masked["passes"] is True  # sps, budget, threshold and acceptance, all identical
+    assert table["passes"] is False  # 16 and 64 requests not run
+    # One masked mode that diverged, or one compacted decode step off the graphs, fails.
+    greedy["threshold-masked"] = False
+    write(tmp_path, "deepseek_v4.json", {"rows": dsv4_rows(tok_s, greedy)})
+    assert summarize(tmp_path, "moe")[0][2]["passes"] is False
+    results["sps"]["admission"]["graph_steps"] = 9
+    write(tmp_path, "dsv4_compact_lossless_gpu.json", {"result": results})
+    assert summarize(tmp_path, "dsv4-compact")[0][0]["passes"] is False
 
 
 def test_capacity_targets_are_checked_from_the_sweep_and_the_newest_breakdown(tmp_path):
