@@ -20,10 +20,14 @@ even on failure; an arm whose server fails is recorded and the others still run.
 
 The record (``--out``) holds the provenance (command, commit, date, device) and one row
 per point: {setup, arm, request_rate, output_tok_s, tpot_p50_ms, tpot_p90_ms,
-ttft_p50_ms, acceptance_length, ...}; it is rewritten after every point. The PNG beside
-it plots TPOT (p50 solid, p90 dashed) and TTFT (p50) against output throughput, one curve
-per arm. ``--merge`` keeps the rows of an earlier record's other arms (a setup's arms run
-over several calls).
+ttft_p50_ms, acceptance_length, run, ...}; it is rewritten after every point. ``run`` is
+the date of the run that measured the row. ``--merge`` keeps every row of an earlier
+record, whose ``runs`` (each run's command, commit, date and device) the new record
+extends: a table too long for one session grows part by part, each part running no
+speculation and k=7 again, so that its ratios come from one run
+(``tools/targets_summary.py serving`` bridges parts through them). The PNG beside it plots
+the setup's TPOT (p50 solid, p90 dashed) and TTFT (p50) against output throughput, one
+curve per arm and run.
 
 Setups:
 - ``embedded``: the trained pair (real weights and tokenizer), prompts its held-out text
@@ -100,6 +104,8 @@ SETUP_ARMS = {
 # Light load to about no speculation's saturation on the Qwen3-8B shape (~34 requests/s at
 # 512 + 256 tokens on an H100); the `inf` point saturates every arm.
 DEFAULT_REQUEST_RATES = "1,4,16,32"
+# What names a run in a record's ``runs`` (a row's ``run`` is its date).
+RUN_KEYS = ("command", "commit", "date", "device")
 # The plugin's counters in a served engine (read through /collective_rpc in dev mode).
 SERVED_COUNTERS = "vllm_dspark.metrics.ServedCounters"
 
@@ -399,7 +405,8 @@ def point_row(
 
 def plot(rows: list[dict], path: Path) -> None:
     """TPOT (p50 solid, p90 dashed) and TTFT (p50) against output tokens per second, one
-    colour per arm, the points in order of load."""
+    colour per arm and run (an arm measured in several runs is labelled by run), the
+    points in order of load."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -407,14 +414,18 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     fig, (tpot, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for index, arm in enumerate(dict.fromkeys(row["arm"] for row in rows)):
-        points = [row for row in rows if row["arm"] == arm]
+    curves = list(dict.fromkeys((row["arm"], row.get("run")) for row in rows))
+    runs = list(dict.fromkeys(run for _, run in curves))
+    for index, (arm, run) in enumerate(curves):
+        points = [row for row in rows if (row["arm"], row.get("run")) == (arm, run)]
         points.sort(key=lambda row: float(row["request_rate"]))
         throughput = [row["output_tok_s"] for row in points]
-        colour = f"C{index}"
-        tpot.plot(throughput, [r["tpot_p50_ms"] for r in points], "o-", color=colour, label=arm)
+        colour = f"C{index % 10}"
+        repeated = sum(a == arm for a, _ in curves) > 1
+        label = f"{arm} (run {runs.index(run) + 1})" if repeated else arm
+        tpot.plot(throughput, [r["tpot_p50_ms"] for r in points], "o-", color=colour, label=label)
         tpot.plot(throughput, [r["tpot_p90_ms"] for r in points], "o--", color=colour, alpha=0.6)
-        ttft.plot(throughput, [r["ttft_p50_ms"] for r in points], "o-", color=colour, label=arm)
+        ttft.plot(throughput, [r["ttft_p50_ms"] for r in points], "o-", color=colour, label=label)
     setups = ", ".join(dict.fromkeys(row["setup"] for row in rows))
     tpot.set_title(f"{setups}: TPOT (p50 solid, p90 dashed)", fontsize=9)
     ttft.set_title(f"{setups}: TTFT p50", fontsize=9)
@@ -463,22 +474,26 @@ def device_name() -> str:
 
 
 def write_record(path: Path, provenance: dict, rows: list[dict], failed: dict) -> None:
-    """The record so far (whole or not at all), and its plot."""
+    """The record so far (whole or not at all), and the plot of its setup's rows."""
     record = provenance | {"rows": rows, **({"failed": failed} if failed else {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(record, indent=2))
     partial.replace(path)
-    if rows:
-        plot(rows, path.with_suffix(".png"))
+    setup_rows = [row for row in rows if row["setup"] == provenance["setup"]]
+    if setup_rows:
+        plot(setup_rows, path.with_suffix(".png"))
 
 
-def merged_rows(path: Path | None, setup: str, arms: list[str]) -> list[dict]:
-    """An earlier record's rows of this setup whose arm is not run again."""
+def earlier_record(path: Path | None) -> tuple[list[dict], list[dict]]:
+    """An earlier record's rows and runs (a record written before rows named their run:
+    one run, its own provenance), or nothing where there is none."""
     if path is None or not path.exists():
-        return []
-    rows = json.loads(path.read_text())["rows"]
-    return [row for row in rows if row["setup"] == setup and row["arm"] not in arms]
+        return [], []
+    record = json.loads(path.read_text())
+    own = {key: record.get(key) for key in RUN_KEYS}
+    rows = [{"run": own["date"]} | row for row in record["rows"]]
+    return rows, record.get("runs", [own])
 
 
 def served_admission(url: str) -> AdmissionCounts:
@@ -586,7 +601,7 @@ def main() -> int:
         default=DEFAULT_RATES,
         help="qwen3-8b: unconditional acceptance per draft position (synthetic)",
     )
-    parser.add_argument("--merge", type=Path, help="an earlier record: keep its other arms")
+    parser.add_argument("--merge", type=Path, help="an earlier record: keep its rows and runs")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     try:
@@ -597,18 +612,22 @@ def main() -> int:
 
     points_dir = args.out.with_name(f"{args.out.stem}_points")
     points_dir.mkdir(parents=True, exist_ok=True)
-    provenance = {
+    run = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(),
+    }
+    rows, runs = earlier_record(args.merge)
+    provenance = run | {
         "setup": args.setup,
         "arms": {name: ARM_PRESETS[name].options for name in arms},
+        "runs": [*runs, run],
     }
-    rows = merged_rows(args.merge, args.setup, arms)
     failed: dict[str, str] = {}
 
     def keep(row: dict) -> None:
+        row["run"] = run["date"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         write_record(args.out, provenance, rows, failed)

@@ -10,6 +10,8 @@
         --out benchmarks/results/moe_targets.json
     python tools/targets_summary.py benchmarks/results dsv4-compact \
         --out benchmarks/results/dsv4_compact_targets.json
+    python tools/targets_summary.py benchmarks/results serving \
+        --out benchmarks/results/serving_targets.json
 
 Reads from RESULTS_DIR what the GPU stages wrote (``tools/device/gpu_stage.sh``). For
 ``capacity`` (confidence-scheduled capacity): ``capacity_sweep.json`` (one run per setup:
@@ -23,7 +25,10 @@ without dynamic depth), ``dflash_acceptance.json`` (``dflash``) and ``online_sts
 1,024 tokens) and the newest ``fixed_k3*.json`` (``fixed-k`` at k=3: no speculation, stock
 DSpark, the plugin's cuts). For ``moe`` (#56): ``moe_qwen3.json`` (``moe-qwen3``) and
 ``deepseek_v4.json`` (``dsv4``). For ``dsv4-compact`` (#59):
-``dsv4_compact_lossless_gpu.json`` (``dsv4-lossless``) and ``deepseek_v4.json``. Writes
+``dsv4_compact_lossless_gpu.json`` (``dsv4-lossless``) and ``deepseek_v4.json``. For
+``serving`` (#57): ``serving.json`` (``serve``, per setup; an arm measured in another
+part of the table is compared through no speculation or k=7, run in both) and
+``sampling_lossless.json`` (``sampling``). Writes
 one entry per target: {target, passes, measured,
 evidence}, ``passes`` None where its record is missing (named on standard error, never
 guessed).
@@ -32,6 +37,7 @@ guessed).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -68,6 +74,14 @@ CAPACITY_MODES = tuple(
 COMPACT_UNDER_LOAD = 1.15  # compact sps over no speculation at 256 requests
 COMPACT_OVER_MASKED = 1.10  # compact sps over masked sps at 256 requests
 COMPACT_AT_ONE = 0.97  # compact sps over the best fixed depth at one request
+SERVED_SETUPS = ("qwen3-8b", "embedded")
+TPOT_P50_LIMIT = 1.03  # sps's p50 TPOT over the best arm's, every request rate
+TPOT_P90_LIMIT = 1.10  # ... its p90
+SATURATED_OVER_NOSPEC = 1.0  # sps's output tok/s at saturation over no speculation's
+SATURATED_OVER_FIXED = 1.05  # ... over the best fixed k's
+SERVED_FIXED_K = ("k1", "k3", "k7")
+BRIDGES = ("k7", "nospec")  # arms every part of a served table runs, in order of preference
+LOSSLESS_P = 0.01  # sampled outputs: p-value every mode reaches, the biased one does not
 # The sweep's confidence-scheduled capacity arms, those of the sps mode (setup (b)'s sps
 # targets hold for the mode if one of its configurations meets them), and the fixed-depth
 # arms (stock DSpark k=7; the plugin's, capacity off in the capacity engine, where run).
@@ -648,6 +662,103 @@ def compact_sps_at_one_request(record: dict) -> dict:
     }
 
 
+def served_point(rows: list[dict], arm: str, rate, run: str, metric: str) -> dict | None:
+    """``arm``'s ``metric`` at ``rate`` as measured in ``run``: directly where the run
+    measured the arm, else from the newest other run that did, scaled by a bridge arm
+    (k=7, else no speculation) both runs measured at that rate."""
+    at = {(r["arm"], r.get("run")): r[metric] for r in rows if r["request_rate"] == rate}
+    if (arm, run) in at:
+        return {"value": at[(arm, run)], "run": run}
+    for other in sorted({r for a, r in at if a == arm}, reverse=True):
+        for bridge in BRIDGES:
+            if (bridge, run) in at and (bridge, other) in at:
+                scale = at[(bridge, run)] / at[(bridge, other)]
+                return {"value": at[(arm, other)] * scale, "run": other, "bridge": bridge}
+    return None
+
+
+def _served(record: dict, setup: str) -> tuple[list[dict], str | None]:
+    """The setup's rows and the newest run that served sps (None: none did)."""
+    rows = [row for row in record["rows"] if row["setup"] == setup]
+    runs = sorted({row.get("run") or "" for row in rows if row["arm"] == "sps"})
+    return rows, (runs[-1] if runs else None)
+
+
+def served_tpot(record: dict, setup: str) -> dict:
+    """sps's p50 and p90 TPOT against the best arm's at each request rate of its run."""
+    rows, run = _served(record, setup)
+    target = (
+        f"{setup}: sps's p50 TPOT <= {TPOT_P50_LIMIT}x and p90 <= {TPOT_P90_LIMIT}x the "
+        "best arm's at every request rate"
+    )
+    if run is None:
+        return {"target": target, "passes": None, "measured": None}
+    measured, verdicts = {}, []
+    rates = [r["request_rate"] for r in rows if r["arm"] == "sps" and r.get("run", "") == run]
+    for rate in rates:
+        entry = {}
+        for metric, limit in (("tpot_p50_ms", TPOT_P50_LIMIT), ("tpot_p90_ms", TPOT_P90_LIMIT)):
+            points = {a: served_point(rows, a, rate, run, metric) for a in {r["arm"] for r in rows}}
+            points = {a: point for a, point in points.items() if point is not None}
+            best = min(points, key=lambda a: points[a]["value"])
+            ratio = points["sps"]["value"] / points[best]["value"]
+            entry[metric] = {"best_arm": best, "best": points[best], "ratio": ratio}
+            verdicts.append(ratio <= limit)
+        measured[str(rate)] = entry
+    return {"target": target, "passes": all(verdicts), "measured": measured, "run": run}
+
+
+def served_saturation(record: dict, setup: str) -> dict:
+    """sps's output tokens per second at saturation (every request at once) against no
+    speculation's and the best fixed k's."""
+    rows, run = _served(record, setup)
+    target = (
+        f"{setup}: sps's output tok/s at saturation >= {SATURATED_OVER_NOSPEC}x no "
+        f"speculation and >= {SATURATED_OVER_FIXED}x the best fixed k"
+    )
+    point = functools.partial(served_point, rows, rate="inf", run=run, metric="output_tok_s")
+    sps = point("sps") if run else None
+    if sps is None:
+        return {"target": target, "passes": None, "measured": None}
+    nospec = point("nospec")
+    fixed = {arm: p for arm in SERVED_FIXED_K if (p := point(arm)) is not None}
+    best = max(fixed, key=lambda arm: fixed[arm]["value"]) if fixed else None
+    measured = {
+        "sps": sps["value"],
+        "nospec": nospec,
+        "over_nospec": sps["value"] / nospec["value"] if nospec else None,
+        "best_fixed_arm": best,
+        "best_fixed": fixed.get(best),
+        "over_fixed": sps["value"] / fixed[best]["value"] if best else None,
+    }
+    verdicts = [
+        None
+        if measured["over_nospec"] is None
+        else measured["over_nospec"] >= SATURATED_OVER_NOSPEC,
+        None if measured["over_fixed"] is None else measured["over_fixed"] >= SATURATED_OVER_FIXED,
+    ]
+    return {"target": target, "passes": _every(verdicts), "measured": measured, "run": run}
+
+
+def sampled_lossless(record: dict) -> dict:
+    """At temperature 1 every mode keeps no speculation's distribution and the biased
+    verifier does not."""
+    rows = [row for row in record["rows"] if row["sampling"] == "temperature-1"]
+    p_values = {row["mode"]: row["p_value"] for row in rows}
+    honest = {mode: p for mode, p in p_values.items() if mode != "biased"}
+    passes = (
+        bool(honest)
+        and all(p > LOSSLESS_P for p in honest.values())
+        and p_values.get("biased", 1.0) < LOSSLESS_P
+    )
+    return {
+        "target": f"temperature 1: every capacity mode p > {LOSSLESS_P}, the biased variant "
+        f"p < {LOSSLESS_P}",
+        "passes": passes,
+        "measured": p_values,
+    }
+
+
 # Per issue: (record file, or a glob whose newest match by date counts; check[; which
 # records can be read: the newest of those counts]).
 CHECKS = {
@@ -674,6 +785,14 @@ CHECKS = {
         ("deepseek_v4.json", compact_sps_under_load),
         ("deepseek_v4.json", compact_sps_at_one_request),
     ],
+    "serving": [
+        *(
+            ("serving.json", functools.partial(check, setup=setup))
+            for setup in SERVED_SETUPS
+            for check in (served_tpot, served_saturation)
+        ),
+        ("sampling_lossless.json", sampled_lossless),
+    ],
     "step-cost": [
         ("step_breakdown_graphs*.json", k1_step_under_load),
         ("fixed_k3*.json", k3_under_load),
@@ -693,6 +812,13 @@ def _newest(results_dir: Path, pattern: str, readable=lambda record: True) -> Pa
     return max(paths, key=lambda path: records[path].get("date", ""))
 
 
+def _check_name(check) -> str:
+    """A check's name (a check bound to a setup names it too)."""
+    if isinstance(check, functools.partial):
+        return f"{check.func.__name__}({', '.join(map(str, check.keywords.values()))})"
+    return check.__name__
+
+
 def summarize(results_dir: Path, issue: str) -> tuple[list[dict], list[str]]:
     """(one entry per target of ``issue``, the files not found)."""
     entries, missing = [], []
@@ -700,7 +826,7 @@ def summarize(results_dir: Path, issue: str) -> tuple[list[dict], list[str]]:
         path = _newest(results_dir, pattern, *readable)
         if path is None:
             missing.append(pattern)
-            entries.append({"target": check.__name__, "passes": None, "measured": None})
+            entries.append({"target": _check_name(check), "passes": None, "measured": None})
             continue
         record = json.loads(path.read_text())
         entry = check(record)

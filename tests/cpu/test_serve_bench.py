@@ -2,6 +2,7 @@
 and `vllm bench serve` (parsed by vLLM's own parsers), counters, rows, plot, tokenizer."""
 
 import contextlib
+import datetime
 import http.server
 import io
 import json
@@ -18,8 +19,8 @@ from serve_bench import (  # noqa: E402
     ARM_PRESETS,
     SETUP_ARMS,
     bench_command,
+    earlier_record,
     embedded_models,
-    merged_rows,
     parse_arms,
     parse_request_rates,
     point_row,
@@ -387,13 +388,32 @@ def test_the_plot_is_written(tmp_path):
     assert path.stat().st_size > 10_000
 
 
-def test_a_merge_keeps_the_other_arms_of_the_setup(tmp_path):
+def test_a_merge_keeps_every_earlier_row_under_its_run(tmp_path):
     earlier = tmp_path / "serving.json"
     other = dict(sample_rows()[0], setup="embedded")
-    earlier.write_text(json.dumps({"rows": [*sample_rows(), other]}))
-    kept = merged_rows(earlier, "qwen3-8b", ["k7", "sps"])
-    assert {row["arm"] for row in kept} == {"nospec"} and len(kept) == 3
-    assert merged_rows(tmp_path / "missing.json", "qwen3-8b", ["k7"]) == []
+    provenance = {"command": "c", "commit": "abc", "date": "d1", "device": "H100"}
+    earlier.write_text(json.dumps(provenance | {"rows": [*sample_rows(), other]}))
+    rows, runs = earlier_record(earlier)
+    # A record written before rows named their run is one run, its own provenance.
+    assert runs == [provenance] and len(rows) == 7
+    assert all(row["run"] == "d1" for row in rows)
+    assert earlier_record(tmp_path / "missing.json") == ([], [])
+
+
+def test_a_plot_tells_an_arm_measured_in_two_runs_apart(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    labels = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda self, *a, **kw: labels.append(kw.get("label")) or plot(self, *a, **kw),
+    )
+    rows = [row | {"run": "d1"} for row in sample_rows()]
+    rows += [row | {"run": "d2"} for row in sample_rows() if row["arm"] == "k7"]
+    serve_bench.plot(rows, tmp_path / "serving.png")
+    assert set(labels) - {None} == {"nospec", "k7 (run 1)", "k7 (run 2)"}
 
 
 def test_the_tokenizer_gives_every_id_a_word_of_its_own(tmp_path):
@@ -419,6 +439,14 @@ def test_the_shapes_tokenizer_covers_its_vocabulary(qwen3_models):
     tokenizer = json.loads((Path(qwen3_models.target) / "tokenizer.json").read_text())
     assert len(tokenizer["model"]["vocab"]) == config["vocab_size"] == 151936
     assert tokenizer["model"]["vocab"]["</s>"] == config["eos_token_id"]
+
+
+class LaterClock(datetime.datetime):
+    """A clock a day ahead: a second run's date differs from the first's."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return super().now(tz) + datetime.timedelta(days=1)
 
 
 def test_a_run_records_every_point_and_the_arm_that_failed(tmp_path, monkeypatch):
@@ -471,6 +499,19 @@ def test_a_run_records_every_point_and_the_arm_that_failed(tmp_path, monkeypatch
             assert plugin["verified_per_compacted_step"] == 3.5
     assert out.with_suffix(".png").exists()
     assert started == [str(EMBEDDED_PAIR / "target")] * 2
+    assert [run["commit"] for run in record["runs"]] == ["abc1234"]
+    assert {row["run"] for row in record["rows"]} == {record["date"]}
+    # The next part merges it: every earlier row stays, k7 again beside it under a new run.
+    monkeypatch.setenv("DSPARK_COMMIT", "def5678")
+    part = tmp_path / "part2.json"
+    argv = ["serve_bench.py", "--setup", "embedded", "--arms", "k7", "--merge", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--rates", "1,8", "--out", str(part)])
+    monkeypatch.setattr(serve_bench.datetime, "datetime", LaterClock)
+    assert serve_bench.main() == 0
+    merged = json.loads(part.read_text())
+    assert [run["commit"] for run in merged["runs"]] == ["abc1234", "def5678"]
+    assert merged["commit"] == "def5678" and len(merged["rows"]) == 9
+    assert [row["run"] for row in merged["rows"]].count(merged["date"]) == 3
 
 
 def test_served_counters_read_the_plugin_in_the_worker(plugin_speculator):

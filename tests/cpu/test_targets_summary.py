@@ -149,6 +149,7 @@ def test_a_missing_record_leaves_its_target_unmeasured(tmp_path):
         ("step-cost", 4),
         ("moe", 4),
         ("dsv4-compact", 3),
+        ("serving", 5),
     ]:
         entries, missing = summarize(tmp_path, issue)
         assert len(missing) == len(entries) == targets
@@ -423,3 +424,53 @@ def test_setup_a_reports_the_noise_floor_of_an_arm_run_in_two_engines():
     assert embedded["noise_floor"] == {"1": 0.97}
     assert embedded["measured"]["sps"]["1"]["over_fixed"] == 104.0 / 98.0
     assert embedded["passes"]
+
+
+def served_rows(run: str, points: dict) -> list[dict]:
+    """Rows of the qwen3-8b setup: {(arm, rate): (p50, p90, tok/s)}."""
+    return [
+        {
+            "setup": "qwen3-8b",
+            "arm": arm,
+            "request_rate": rate,
+            "tpot_p50_ms": p50,
+            "tpot_p90_ms": p90,
+            "output_tok_s": tok_s,
+            "run": run,
+        }
+        for (arm, rate), (p50, p90, tok_s) in points.items()
+    ]
+
+
+def test_served_targets_compare_arms_of_another_part_through_k7(tmp_path):
+    # Part 1: sps beside no speculation and k7. Part 2, on a machine 10% slower: k3 beside
+    # them again, so its figures carry over through k7's ratio between the parts.
+    first = {("nospec", 1.0): (7.0, 7.2, 240.0), ("k7", 1.0): (3.0, 3.3, 560.0)}
+    first |= {("nospec", "inf"): (24.0, 28.0, 10000.0), ("k7", "inf"): (30.0, 35.0, 8000.0)}
+    sps = {("sps", 1.0): (3.05, 3.5, 550.0), ("sps", "inf"): (20.0, 23.0, 10600.0)}
+    second = {("nospec", 1.0): (7.7, 7.92, 218.0), ("k7", 1.0): (3.3, 3.63, 509.0)}
+    second |= {("k3", 1.0): (3.0, 3.3, 560.0), ("nospec", "inf"): (26.4, 30.8, 9000.0)}
+    second |= {("k7", "inf"): (33.0, 38.5, 7200.0), ("k3", "inf"): (22.0, 26.0, 9900.0)}
+
+    def check(sps_points: dict) -> tuple[dict, dict]:
+        rows = served_rows("2026-12-08", first | sps_points) + served_rows("2026-12-09", second)
+        write(tmp_path, "serving.json", {"rows": rows})
+        tpot, saturation, embedded_tpot, _, _ = summarize(tmp_path, "serving")[0]
+        assert embedded_tpot["passes"] is None  # no embedded rows
+        return tpot, saturation
+
+    tpot, saturation = check(sps)
+    at_one = tpot["measured"]["1.0"]
+    assert at_one["tpot_p50_ms"]["best_arm"] == "k3"
+    assert at_one["tpot_p50_ms"]["best"]["bridge"] == "k7"
+    assert at_one["tpot_p50_ms"]["best"]["value"] == pytest.approx(3.0 * 3.0 / 3.3)
+    assert at_one["tpot_p50_ms"]["ratio"] == pytest.approx(3.05 / (3.0 * 3.0 / 3.3))
+    assert tpot["passes"] is False and tpot["run"] == "2026-12-08"
+    assert saturation["measured"]["best_fixed_arm"] == "k3"
+    assert saturation["measured"]["best_fixed"]["value"] == pytest.approx(9900 * 8000 / 7200)
+    assert saturation["measured"]["over_nospec"] == pytest.approx(1.06)
+    assert saturation["passes"] is False  # 0.96x the bridged k3
+    # An sps that is the best arm at every rate and 1.05x k3 at saturation meets both.
+    best = {("sps", 1.0): (2.7, 3.0, 600.0), ("sps", "inf"): (19.0, 22.0, 11600.0)}
+    tpot, saturation = check(best)
+    assert tpot["passes"] is True and saturation["passes"] is True

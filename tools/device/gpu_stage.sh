@@ -51,8 +51,11 @@
 #            TTFT against output throughput; third argument the setup: embedded (servers of
 #            ~60 s) or qwen3-8b (~110-190 s each, 7 arms: from the queue, or name a few);
 #            fourth, the arms (default: every one the setup runs); fifth, the request rates.
-#            A later call on the same warm machine merges the setup's earlier rows (kept in
-#            /tmp); each call's per-point client JSON and logs come back as one archive
+#            Rows go to serving.json beside the earlier ones: a later call on the same
+#            warm machine merges that machine's record (kept in /tmp), a call on a fresh
+#            one the committed benchmarks/results/serving.json, so a table grows part by
+#            part (each part running nospec and k7 again); each call's per-point client
+#            JSON and logs come back as one archive
 #   sampling  sampled outputs (temperature 1, top-k / top-p) with every capacity mode
 #            against no speculation, as distributions (chi-square), on the embedded pair,
 #            and a deliberately biased verifier the test must catch (vLLM; two engines)
@@ -280,8 +283,12 @@ case "$stage" in
     ;;
   serve)
     vllm_env; use_recalibrated
-    setup=${3:?setup}; name=serving_$setup
-    merge=(); [ -f "/tmp/$name.json" ] && merge=(--merge "/tmp/$name.json")
+    # One record for every setup and part (serving.json): this machine's latest, else the
+    # committed table, so that each part adds its rows beside the earlier parts'.
+    setup=${3:?setup}; name=serving; merge=()
+    for earlier in "/tmp/$name.json" "benchmarks/results/$name.json"; do
+      [ -f "$earlier" ] && { merge=(--merge "$earlier"); break; }
+    done
     # The JSON and plot are rewritten after every point, so a cut run keeps what ran.
     timeout 1500 python3 benchmarks/serve_bench.py --setup "$setup" ${4:+--arms "$4"} \
       ${5:+--rates "$5"} "${merge[@]}" --out "$OUT/$name.json" 2>&1 \
