@@ -1035,12 +1035,94 @@ def test_sps_profile_reports_each_shapes_time_per_step(monkeypatch):
         execute_model_state=None,
         model=SimpleNamespace(compute_logits=lambda hidden: hidden),
         kv_connector=SimpleNamespace(set_disabled=lambda disabled: None),
+        vocab_size=1000,
     )
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(sps_profile, "decode_graph_shapes", lambda r: [(8, 1), (512, 64)])
     rows = sps_profile.time_target_steps(runner, repeats=10, eager_repeats=3)
     assert [tokens for tokens, _ in rows] == [8, 512, 520, 1024, 2048]
     assert [ms for _, ms in rows] == pytest.approx([0.08, 5.12, 5.2, 10.24, 20.48])
+
+
+def test_sps_profile_steps_carry_distinct_tokens_as_decode_steps_do(monkeypatch):
+    """vLLM's dummy batches give every token id 0, which routes every token of a MoE
+    layer to the same experts; the profile's steps carry random ids below the vocabulary
+    instead, the same ones run to run, and vLLM's dummy batches are left as they were."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_dspark.capacity import sps_profile
+
+    stock = InputBatch.__dict__["make_dummy"]
+    buffers = InputBuffers(max_num_reqs=64, max_num_tokens=512, device=torch.device("cpu"))
+    seen = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    def execute_model(scheduled, dummy_run):
+        # As vLLM's runner does for a dummy step: a dummy batch in the persistent buffers.
+        num_tokens = scheduled.total_num_scheduled_tokens
+        batch = InputBatch.make_dummy(len(scheduled.num_scheduled_tokens), num_tokens, buffers)
+        seen.append(batch.input_ids.clone())
+        runner.execute_model_state = SimpleNamespace(hidden_states=torch.zeros(num_tokens, 2))
+
+    runner = SimpleNamespace(
+        decode_query_len=8,
+        max_num_reqs=64,
+        max_num_tokens=512,
+        execute_model=execute_model,
+        execute_model_state=None,
+        model=SimpleNamespace(compute_logits=lambda hidden: hidden),
+        kv_connector=SimpleNamespace(set_disabled=lambda disabled: None),
+        vocab_size=1000,
+    )
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(sps_profile, "decode_graph_shapes", lambda r: [(8, 1), (512, 64)])
+    sps_profile.time_target_steps(runner, warmup=1, repeats=2, rounds=1)
+    assert [len(ids) for ids in seen] == [8] * 3 + [512] * 3
+    for ids in seen:
+        assert 0 <= int(ids.min()) and int(ids.max()) < 1000
+        assert len(set(ids.tolist())) > len(ids) // 2  # distinct, as a decode step's are
+    first = list(seen)
+    seen.clear()
+    sps_profile.time_target_steps(runner, warmup=1, repeats=2, rounds=1)
+    assert all(torch.equal(a, b) for a, b in zip(first, seen, strict=True))  # seeded
+    assert InputBatch.__dict__["make_dummy"] is stock
+    assert int(InputBatch.make_dummy(8, 64, buffers).input_ids.abs().sum()) == 0  # vLLM's zeros
+
+    # The drafter's graphs are replayed over dummy batches with distinct tokens too.
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+    from vllm.v1.worker.gpu.spec_decode.dflash import cudagraph
+
+    def prepare(num_reqs, num_tokens, input_buffers, *args, **kwargs):
+        seen.append(InputBatch.make_dummy(num_reqs, num_tokens, input_buffers).input_ids.clone())
+
+    seen.clear()
+    monkeypatch.setattr(cudagraph, "_prepare_dflash_inputs_to_capture", prepare)
+    graph = SimpleNamespace(replay=lambda: None)
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 64, 8, uniform_token_count=8)
+    speculator = SimpleNamespace(
+        vocab_size=1000,
+        input_buffers=buffers,
+        block_tables=None,
+        attn_groups=None,
+        kv_cache_config=None,
+        max_model_len=64,
+        _group_causal=False,
+    )
+    sps_profile.time_draft_graphs(speculator, SimpleNamespace(graphs={desc: graph}))
+    assert len(seen) == 1 and len(set(seen[0].tolist())) > 32
 
 
 def test_vllms_draft_token_counters_count_the_admitted_drafts(plugin_speculator, speculator):

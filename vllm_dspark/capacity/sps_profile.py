@@ -6,6 +6,8 @@ decode steps go through ``execute_model`` as vLLM's warm-up runs do, plus the LM
 the T tokens as verification computes it; CUDA events around ``repeats`` back-to-back steps
 time one step, and the median of ``rounds`` such groups is kept. Dummy requests attend only
 their own query tokens, so the curve measures the weight-bound cost that dominates decode.
+Their tokens are random ids, not vLLM's zeros (:func:`distinct_dummy_tokens`), so that a
+MoE layer routes them over its experts as it routes a decode step's.
 Past the largest graph the same steps run without a graph, as real ones do there
 (:func:`eager_decode_shapes`), rather than extrapolating the last graph's rate, which made
 such steps look cheap. :func:`time_draft_graphs` times a speculator's captured draft graphs
@@ -14,6 +16,7 @@ per batch size: what a proposal costs, for deciding whether drafting pays at all
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -63,6 +66,34 @@ def _dummy_decode(num_tokens: int, num_reqs: int):
     return output
 
 
+@contextlib.contextmanager
+def distinct_dummy_tokens(vocab_size: int, seed: int = 0):
+    """While open, vLLM's dummy batches (``InputBatch.make_dummy``) carry random token ids
+    below ``vocab_size`` (seeded, drawn on the batch's device) where vLLM gives every query
+    token 0. Identical tokens take one route through a MoE layer: a few experts' weights
+    are read where a decode step of distinct tokens reads nearly all, so a curve timed on
+    them makes every step look cheaper, the more so the fewer its tokens, and sps would
+    compact steps that save nothing. Dense layers cost the same either way."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    stock = InputBatch.__dict__["make_dummy"]
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def make_dummy(cls, *args, **kwargs):
+        batch = stock.__func__(cls, *args, **kwargs)
+        device = batch.input_ids.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        batch.input_ids.random_(0, vocab_size, generator=generators[device])
+        return batch
+
+    InputBatch.make_dummy = classmethod(make_dummy)
+    try:
+        yield
+    finally:
+        InputBatch.make_dummy = stock
+
+
 def _decode_step(runner, scheduled, num_tokens: int) -> None:
     runner.execute_model(scheduled, dummy_run=True)
     hidden = runner.execute_model_state.hidden_states
@@ -84,19 +115,20 @@ def time_target_steps(
     rows = []
     runner.kv_connector.set_disabled(True)
     try:
-        for num_tokens, num_reqs, group in shapes:
-            scheduled = _dummy_decode(num_tokens, num_reqs)
-            for _ in range(warmup):
-                _decode_step(runner, scheduled, num_tokens)
-            times = []
-            for _ in range(rounds):
-                start.record()
-                for _ in range(group):
+        with distinct_dummy_tokens(runner.vocab_size):
+            for num_tokens, num_reqs, group in shapes:
+                scheduled = _dummy_decode(num_tokens, num_reqs)
+                for _ in range(warmup):
                     _decode_step(runner, scheduled, num_tokens)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / group)
-            rows.append((num_tokens, statistics.median(times)))
+                times = []
+                for _ in range(rounds):
+                    start.record()
+                    for _ in range(group):
+                        _decode_step(runner, scheduled, num_tokens)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / group)
+                rows.append((num_tokens, statistics.median(times)))
     finally:
         runner.kv_connector.set_disabled(False)
     return rows
@@ -111,7 +143,8 @@ def time_draft_graphs(
     for is prepared again as vLLM's capture prepares it (inputs, slot mappings that write
     nowhere, attention metadata): FlashAttention keeps its tile schedule in a persistent
     buffer that the last capture left laid out for the smallest batch, so replaying the
-    other graphs without this would time less work than they do."""
+    other graphs without this would time less work than they do. Its tokens are random ids
+    (:func:`distinct_dummy_tokens`), as a MoE drafter's layers must route them."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import (
         _prepare_dflash_inputs_to_capture,
@@ -122,17 +155,18 @@ def time_draft_graphs(
     rows = []
     descs = [desc for desc in manager.graphs if desc.cg_mode == CUDAGraphMode.FULL]
     for desc in sorted(descs, key=lambda desc: desc.num_reqs):
-        _prepare_dflash_inputs_to_capture(
-            desc.num_reqs,
-            desc.num_tokens,
-            speculator.input_buffers,
-            speculator.block_tables,
-            speculator.attn_groups,
-            speculator.kv_cache_config,
-            speculator.max_model_len,
-            skip_attn=False,
-            causal=speculator._group_causal,
-        )
+        with distinct_dummy_tokens(speculator.vocab_size):
+            _prepare_dflash_inputs_to_capture(
+                desc.num_reqs,
+                desc.num_tokens,
+                speculator.input_buffers,
+                speculator.block_tables,
+                speculator.attn_groups,
+                speculator.kv_cache_config,
+                speculator.max_model_len,
+                skip_attn=False,
+                causal=speculator._group_causal,
+            )
         graph = manager.graphs[desc]
         for _ in range(warmup):
             graph.replay()

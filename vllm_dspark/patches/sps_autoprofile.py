@@ -3,12 +3,13 @@
 What: wraps ``GPUModelRunner.capture_model`` of ``vllm.v1.worker.gpu.model_runner``: once
 vLLM has captured the target's CUDA graphs, the runner times a decode step for every
 captured FULL decode graph and a few larger decode steps, which run without a graph
-(:mod:`vllm_dspark.capacity.sps_profile`), takes the slowest
-rank's time per point under tensor parallelism (so every rank admits alike) and hands
-the curve to the speculator's ``sps`` or ``acceptance`` capacity mode; then times the
-speculator's captured draft graphs per batch size (and per depth, with dynamic depth) the
-same way: both modes count a proposal's time in a step's, and the draft gate
-(:mod:`vllm_dspark.capacity.draft_gate`) weighs it. A few seconds of start-up.
+(:mod:`vllm_dspark.capacity.sps_profile`; while it times them, vLLM's dummy batches carry
+random token ids rather than zeros, so that MoE layers route them as they route decode
+steps), takes the slowest rank's time per point under tensor parallelism (so every rank
+admits alike) and hands the curve to the speculator's ``sps`` or ``acceptance`` capacity
+mode; then times the speculator's captured draft graphs per batch size (and per depth,
+with dynamic depth) the same way: both modes count a proposal's time in a step's, and the
+draft gate (:mod:`vllm_dspark.capacity.draft_gate`) weighs it. A few seconds of start-up.
 Why: the ``sps`` and ``acceptance`` modes need the target's steps per second against
 tokens per step on this GPU; vLLM 0.26.0 has no hook after graph capture a plugin could use.
 Upstream: none; vLLM's Dynamic SD takes a hand-written batch-size table instead.
