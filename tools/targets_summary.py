@@ -666,7 +666,7 @@ def served_point(rows: list[dict], arm: str, rate, run: str, metric: str) -> dic
     """``arm``'s ``metric`` at ``rate`` as measured in ``run``: directly where the run
     measured the arm, else from the newest other run that did, scaled by a bridge arm
     (k=7, else no speculation) both runs measured at that rate."""
-    at = {(r["arm"], r.get("run")): r[metric] for r in rows if r["request_rate"] == rate}
+    at = {(r["arm"], r.get("run") or ""): r[metric] for r in rows if r["request_rate"] == rate}
     if (arm, run) in at:
         return {"value": at[(arm, run)], "run": run}
     for other in sorted({r for a, r in at if a == arm}, reverse=True):
@@ -694,7 +694,7 @@ def served_tpot(record: dict, setup: str) -> dict:
     if run is None:
         return {"target": target, "passes": None, "measured": None}
     measured, verdicts = {}, []
-    rates = [r["request_rate"] for r in rows if r["arm"] == "sps" and r.get("run", "") == run]
+    rates = [r["request_rate"] for r in rows if r["arm"] == "sps" and (r.get("run") or "") == run]
     for rate in rates:
         entry = {}
         for metric, limit in (("tpot_p50_ms", TPOT_P50_LIMIT), ("tpot_p90_ms", TPOT_P90_LIMIT)):
@@ -717,7 +717,7 @@ def served_saturation(record: dict, setup: str) -> dict:
         f"speculation and >= {SATURATED_OVER_FIXED}x the best fixed k"
     )
     point = functools.partial(served_point, rows, rate="inf", run=run, metric="output_tok_s")
-    sps = point("sps") if run else None
+    sps = point("sps") if run is not None else None
     if sps is None:
         return {"target": target, "passes": None, "measured": None}
     nospec = point("nospec")

@@ -474,3 +474,15 @@ def test_served_targets_compare_arms_of_another_part_through_k7(tmp_path):
     best = {("sps", 1.0): (2.7, 3.0, 600.0), ("sps", "inf"): (19.0, 22.0, 11600.0)}
     tpot, saturation = check(best)
     assert tpot["passes"] is True and saturation["passes"] is True
+
+
+def test_a_served_record_of_one_run_without_run_names_compares_its_arms_directly(tmp_path):
+    """A record written before rows named their run holds one run."""
+    points = {("nospec", "inf"): (24.0, 28.0, 10000.0), ("k7", "inf"): (30.0, 35.0, 8000.0)}
+    points |= {("sps", "inf"): (20.0, 23.0, 10600.0)}
+    rows = [{k: v for k, v in row.items() if k != "run"} for row in served_rows("", points)]
+    write(tmp_path, "serving.json", {"rows": rows})
+    tpot, saturation = summarize(tmp_path, "serving")[0][:2]
+    assert tpot["passes"] is True and tpot["measured"]["inf"]["tpot_p50_ms"]["best_arm"] == "sps"
+    assert saturation["measured"]["over_fixed"] == pytest.approx(10600 / 8000)
+    assert saturation["passes"] is True
