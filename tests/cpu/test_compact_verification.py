@@ -1001,11 +1001,9 @@ def test_sps_profile_times_decode_steps_past_the_largest_graph_too():
     assert eager_decode_shapes(runner, []) == []
 
 
-def test_sps_profile_reports_each_shapes_time_per_step(monkeypatch):
-    """Every step's time comes out per step, whether its group ran 10 graph replays or 3
-    steps without a graph; a step's cost here is 1 ms per 100 tokens on a fake clock."""
-    from vllm_dspark.capacity import sps_profile
-
+@pytest.fixture
+def profile_clock(monkeypatch) -> list[float]:
+    """torch.cuda.Event on a fake clock: events read ``clock[0]`` (ms) when recorded."""
     clock = [0.0]
 
     class FakeEvent:
@@ -1021,30 +1019,43 @@ def test_sps_profile_reports_each_shapes_time_per_step(monkeypatch):
         def elapsed_time(self, end):
             return end.at - self.at
 
-    def execute_model(scheduled, dummy_run):
-        assert dummy_run
-        num_tokens = scheduled.total_num_scheduled_tokens
-        clock[0] += num_tokens / 100.0
-        runner.execute_model_state = SimpleNamespace(hidden_states=torch.zeros(num_tokens, 2))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return clock
 
-    runner = SimpleNamespace(
+
+def profile_runner(execute_model, max_num_reqs: int, max_num_tokens: int) -> SimpleNamespace:
+    """The parts of vLLM's runner the SPS profile uses, ``execute_model`` given."""
+    return SimpleNamespace(
         decode_query_len=8,
-        max_num_reqs=256,
-        max_num_tokens=2048,
+        max_num_reqs=max_num_reqs,
+        max_num_tokens=max_num_tokens,
         execute_model=execute_model,
         execute_model_state=None,
         model=SimpleNamespace(compute_logits=lambda hidden: hidden),
         kv_connector=SimpleNamespace(set_disabled=lambda disabled: None),
         vocab_size=1000,
     )
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+
+
+def test_sps_profile_reports_each_shapes_time_per_step(monkeypatch, profile_clock):
+    """Every step's time comes out per step, whether its group ran 10 graph replays or 3
+    steps without a graph; a step's cost here is 1 ms per 100 tokens on a fake clock."""
+    from vllm_dspark.capacity import sps_profile
+
+    def execute_model(scheduled, dummy_run):
+        assert dummy_run
+        num_tokens = scheduled.total_num_scheduled_tokens
+        profile_clock[0] += num_tokens / 100.0
+        runner.execute_model_state = SimpleNamespace(hidden_states=torch.zeros(num_tokens, 2))
+
+    runner = profile_runner(execute_model, max_num_reqs=256, max_num_tokens=2048)
     monkeypatch.setattr(sps_profile, "decode_graph_shapes", lambda r: [(8, 1), (512, 64)])
     rows = sps_profile.time_target_steps(runner, repeats=10, eager_repeats=3)
     assert [tokens for tokens, _ in rows] == [8, 512, 520, 1024, 2048]
     assert [ms for _, ms in rows] == pytest.approx([0.08, 5.12, 5.2, 10.24, 20.48])
 
 
-def test_sps_profile_steps_carry_distinct_tokens_as_decode_steps_do(monkeypatch):
+def test_sps_profile_steps_carry_distinct_tokens_as_decode_steps_do(monkeypatch, profile_clock):
     """vLLM's dummy batches give every token id 0, which routes every token of a MoE
     layer to the same experts; the profile's steps carry random ids below the vocabulary
     instead, the same ones run to run, and vLLM's dummy batches are left as they were."""
@@ -1056,19 +1067,6 @@ def test_sps_profile_steps_carry_distinct_tokens_as_decode_steps_do(monkeypatch)
     buffers = InputBuffers(max_num_reqs=64, max_num_tokens=512, device=torch.device("cpu"))
     seen = []
 
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return 1.0
-
     def execute_model(scheduled, dummy_run):
         # As vLLM's runner does for a dummy step: a dummy batch in the persistent buffers.
         num_tokens = scheduled.total_num_scheduled_tokens
@@ -1076,17 +1074,7 @@ def test_sps_profile_steps_carry_distinct_tokens_as_decode_steps_do(monkeypatch)
         seen.append(batch.input_ids.clone())
         runner.execute_model_state = SimpleNamespace(hidden_states=torch.zeros(num_tokens, 2))
 
-    runner = SimpleNamespace(
-        decode_query_len=8,
-        max_num_reqs=64,
-        max_num_tokens=512,
-        execute_model=execute_model,
-        execute_model_state=None,
-        model=SimpleNamespace(compute_logits=lambda hidden: hidden),
-        kv_connector=SimpleNamespace(set_disabled=lambda disabled: None),
-        vocab_size=1000,
-    )
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    runner = profile_runner(execute_model, max_num_reqs=64, max_num_tokens=512)
     monkeypatch.setattr(sps_profile, "decode_graph_shapes", lambda r: [(8, 1), (512, 64)])
     sps_profile.time_target_steps(runner, warmup=1, repeats=2, rounds=1)
     assert [len(ids) for ids in seen] == [8] * 3 + [512] * 3
