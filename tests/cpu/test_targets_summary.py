@@ -486,3 +486,19 @@ def test_a_served_record_of_one_run_without_run_names_compares_its_arms_directly
     assert tpot["passes"] is True and tpot["measured"]["inf"]["tpot_p50_ms"]["best_arm"] == "sps"
     assert saturation["measured"]["over_fixed"] == pytest.approx(10600 / 8000)
     assert saturation["passes"] is True
+
+
+def test_a_served_rate_without_sps_leaves_the_tpot_verdict_open(tmp_path):
+    """sps cut before its saturation point: the light-load rate it met decides nothing."""
+    points = {("nospec", 4.0): (7.3, 7.5, 968.0), ("k7", 4.0): (2.30, 2.51, 1000.0)}
+    points |= {("nospec", "inf"): (28.0, 32.0, 7240.0), ("k7", "inf"): (25.3, 29.5, 8756.0)}
+    points |= {("sps", 4.0): (2.31, 2.52, 1000.0)}
+    write(tmp_path, "serving.json", {"rows": served_rows("2026-12-07", points)})
+    tpot, saturation = summarize(tmp_path, "serving")[0][:2]
+    assert tpot["measured"]["4.0"]["tpot_p50_ms"]["ratio"] == pytest.approx(2.31 / 2.30)
+    assert tpot["measured"]["inf"] is None
+    assert tpot["passes"] is None and saturation["passes"] is None
+    # Slower than k7 at 4 req/s by more than 3%: missed, whatever saturation shows.
+    points[("sps", 4.0)] = (2.40, 2.52, 990.0)
+    write(tmp_path, "serving.json", {"rows": served_rows("2026-12-07", points)})
+    assert summarize(tmp_path, "serving")[0][0]["passes"] is False
