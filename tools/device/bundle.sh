@@ -5,6 +5,7 @@
 #   here:   bash tools/device/bundle.sh split BUNDLE PARTS [XWHL]  # after shared/device/build_vllm_bundle.sh
 #   there:  bash tools/device/bundle.sh stash PARTS/partNN    # one call per part (carry it)
 #   there:  . tools/device/bundle.sh install                  # once all parts are stashed
+#   there:  bash tools/device/bundle.sh save-caches NAME      # into $OUT: NAME_caches.tar.gz
 # A part travels as one carried folder of PART_MIB (default 38) MiB: a call carries 64 MiB,
 # the tree (~24 MiB) included; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
@@ -12,8 +13,15 @@
 # XWHL, optional, is a folder of extra wheels (e.g. .serve-whl, fetched as
 # tools/device/serve-wheels.txt says: what `vllm serve` needs beyond the bundle); they
 # travel in the same stream as xwhl/ and install beside vLLM.
+# A fresh machine compiles every kernel again: Triton's, torch.compile's per engine
+# configuration (about 40 s an engine) and, for DeepSeek-V4, DeepGEMM's and tilelang's
+# (about 14 minutes). `save-caches` packs what this machine compiled (finished kernels
+# only); keep the archive here and stash it like a part (`stash` takes chunks and
+# *_caches.tar.gz alike); `install` unpacks every stashed archive into $HOME once. Kernels
+# are compiled for SM90: an H100 or H200 alike.
 set -u
-cmd=${1:?usage: bundle.sh split|stash|install ...}
+cmd=${1:?usage: bundle.sh split|stash|install|save-caches ...}
+caches=(.triton/cache .cache/vllm/torch_compile_cache .cache/vllm/deep_gemm/cache .tilelang)  # under $HOME
 case "$cmd" in
   split)
     bundle=${2:?bundle dir}; parts=${3:?parts dir}; xwhl=${4:-}; xw=()
@@ -29,7 +37,16 @@ case "$cmd" in
     rmdir "$parts/stream"; ls -la "$parts"/part*
     ;;
   stash)
-    part=${2:?part dir}; mkdir -p /opt/vb/parts && cp "$part"/chunk* /opt/vb/parts/ && ls /opt/vb/parts
+    part=${2:?part dir}
+    files=$(find "$part" -maxdepth 1 \( -name 'chunk*' -o -name '*_caches.tar.gz' \))
+    [ -n "$files" ] || { echo "bundle.sh: no chunks or caches in $part" >&2; exit 1; }
+    # shellcheck disable=SC2086  # paths without spaces, one a line
+    mkdir -p /opt/vb/parts && cp $files /opt/vb/parts/ && ls /opt/vb/parts
+    ;;
+  save-caches)
+    name=${2:?name, e.g. dense or dsv4}
+    (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf "$OUT/${name}_caches.tar.gz" -T -) \
+      && ls -la "$OUT/${name}_caches.tar.gz"
     ;;
   install)
     site=/tmp/vsite
@@ -44,6 +61,10 @@ case "$cmd" in
       xz -dc "$b/p1/vllm_C.so.xz" > "$site/vllm/_C_stable_libtorch.abi3.so"
       touch "$site/.complete"
     fi
+    for archive in /opt/vb/parts/*_caches.tar.gz; do
+      [ -f "$archive" ] && [ ! -f "$archive.restored" ] || continue
+      tar -C "$HOME" -xzf "$archive" && touch "$archive.restored" && echo "restored ${archive##*/}"
+    done
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     python3 -c "import vllm; print('vllm', vllm.__version__, 'ready')"
     ;;

@@ -7,26 +7,15 @@
 # DeepGEMM under vllm/third_party and the wheels beside vLLM; cutlass's DSL packages sit
 # in a folder its .pth file names, which PYTHONPATH (not a site dir) does not read: it
 # goes on PYTHONPATH itself. Parts stay in /opt/vb/moe_parts while the machine is warm.
-#   there:  bash tools/device/moe_bundle.sh save-caches   # into $OUT: jit_caches.tar.gz
-# DeepSeek-V4's first engine compiles its DeepGEMM, tilelang and Triton kernels for about
-# 14 minutes (H100), and a fresh machine has none of them: save them once, keep the file
-# here in .moe-bundle/dsv4-jit/ and stash that folder like a part; `install` then unpacks
-# it into $HOME (kernels are compiled for SM90: an H100 or H200 alike).
+# The kernels DeepSeek-V4's first engine compiles (DeepGEMM, tilelang; about 14 minutes)
+# are saved and restored with everything else compiled: bundle.sh save-caches.
 set -u
-cmd=${1:?usage: moe_bundle.sh stash PART | install | save-caches}
+cmd=${1:?usage: moe_bundle.sh stash PART | install}
 site=/tmp/vsite
-caches=(.cache/vllm/deep_gemm/cache .tilelang .triton)  # under $HOME
 case "$cmd" in
   stash)
     part=${2:?part dir}
-    files=$(find "$part" -maxdepth 1 \( -name 'chunk*' -o -name jit_caches.tar.gz \))
-    [ -n "$files" ] || { echo "moe_bundle.sh: no chunks or caches in $part" >&2; exit 1; }
-    # shellcheck disable=SC2086  # paths without spaces, one a line
-    mkdir -p /opt/vb/moe_parts && cp $files /opt/vb/moe_parts/ && ls /opt/vb/moe_parts
-    ;;
-  save-caches)
-    (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf "$OUT/jit_caches.tar.gz" -T -) \
-      && ls -la "$OUT/jit_caches.tar.gz"
+    mkdir -p /opt/vb/moe_parts && cp "$part"/chunk* /opt/vb/moe_parts/ && ls /opt/vb/moe_parts
     ;;
   install)
     if [ ! -f "$site/.complete" ]; then
@@ -42,9 +31,6 @@ case "$cmd" in
       if ls "$m"/whl/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
           --target "$site" "$m"/whl/*.whl || return 1 2>/dev/null || exit 1
-      fi
-      if [ -f /opt/vb/moe_parts/jit_caches.tar.gz ]; then
-        tar -C "$HOME" -xzf /opt/vb/moe_parts/jit_caches.tar.gz && echo "JIT caches restored"
       fi
       touch "$site/.moe-complete"
     fi
