@@ -695,15 +695,16 @@ def served_tpot(record: dict, setup: str) -> dict:
     if run is None:
         return {"target": target, "passes": None, "measured": None}
     measured, verdicts = {}, []
-    for rate in sorted({r["request_rate"] for r in rows}, key=lambda rate: float(rate)):
-        if served_point(rows, "sps", rate, run, "tpot_p50_ms") is None:
-            measured[str(rate)] = None
-            verdicts.append(None)
-            continue
+    arms = {r["arm"] for r in rows}
+    for rate in sorted({r["request_rate"] for r in rows}, key=float):
         entry = {}
         for metric, limit in (("tpot_p50_ms", TPOT_P50_LIMIT), ("tpot_p90_ms", TPOT_P90_LIMIT)):
-            points = {a: served_point(rows, a, rate, run, metric) for a in {r["arm"] for r in rows}}
+            points = {a: served_point(rows, a, rate, run, metric) for a in arms}
             points = {a: point for a, point in points.items() if point is not None}
+            if "sps" not in points:
+                entry = None
+                verdicts.append(None)
+                break
             best = min(points, key=lambda a: points[a]["value"])
             ratio = points["sps"]["value"] / points[best]["value"]
             entry[metric] = {"best_arm": best, "best": points[best], "ratio": ratio}
