@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton_interpreter import interpreted, run_interpreted
 
-from vllm_dspark.capacity.controller import StepPlan
+from vllm_dspark.capacity.controller import StepPlan, TimedStep
 
 K = 7
 
@@ -174,7 +174,7 @@ def test_a_masked_step_keeps_the_uniform_forward(plugin_speculator):
     )
     seen = run_decode_step(speculator, patch._step_plan_var.get)
     assert seen == StepPlan(4, masked=True)  # ceil(2 * 7 * 0.25) verified, nothing compacted
-    assert speculator.controller.step_tokens == 2 * (1 + K)
+    assert speculator.controller.timed_step == TimedStep(2 * (1 + K), 2)
     assert patch._step_plan_var.get() is None  # reset after the step
 
 
@@ -190,7 +190,8 @@ def test_a_step_is_marked_compacted_for_the_overhead_fit(plugin_speculator, opti
     """The step overhead times compacted steps apart (their premium C,
     capacity/step_overhead.py): only a step whose batch is rewritten counts as one."""
     speculator = plugin_speculator(dspark_capacity="budget", **options)
-    assert run_decode_step(speculator, lambda: speculator.controller.step_compacted) is compacted
+    step = run_decode_step(speculator, lambda: speculator.controller.timed_step)
+    assert step.compacted is compacted
 
 
 def run_decode_step(speculator, observe):
@@ -270,7 +271,8 @@ def test_with_mixed_steps_a_step_with_prompts_compacts_its_decoding_requests(plu
     counts = {"a": 1 + K, "b": 1 + K, "new": 40, "c": 30}
     step = plan_step(runner, scheduler_output(counts, drafts, new=["new"]))
     assert step == StepPlan(4, mixed=(2, 2 * (1 + K) + 70 - 10))
-    assert speculator.controller.step_tokens is None  # a step with prompts is off the SPS curve
+    # Timed for the step overhead with its 70 prompt tokens: 2 decoding requests, 4 drafts.
+    assert speculator.controller.timed_step == TimedStep(2 + 4 + 70, 2, prompt_tokens=70)
     # Turned off, such a step verifies all K drafts.
     unmixed = SimpleNamespace(**vars(runner))
     unmixed.speculator = plugin_speculator(

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
+from vllm_dspark.capacity.controller import TimedStep
 from vllm_dspark.capacity.rest import REST_AFTER, REST_LONGEST, REST_PROPOSALS, AdmissionRest
 
 K = 7
@@ -102,7 +103,7 @@ def test_a_resting_step_runs_vllms_own_step_counted_as_admitting_every_draft(sps
     facts = step_facts(SimpleNamespace(speculator=speculator), step)
     assert speculator.controller.plan_step(facts) is None
     assert speculator.controller.drafts_proposed == speculator.controller.drafts_admitted == 3 * K
-    assert speculator.controller.step_tokens is None  # no sample of the step overhead
+    assert speculator.controller.timed_step is None  # no sample of the step overhead
 
 
 def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans(
@@ -125,12 +126,13 @@ def test_resting_proposals_draft_without_the_controller_and_the_waking_one_plans
     assert (
         speculator.controller.proposals_at_depth[K - 1] == 2 and speculator.controller.drafted_last
     )
-    speculator.controller.step_tokens = 16  # set by a plain step during the rest: no sample
+    # Set by a plain step during the rest: no sample.
+    speculator.controller.timed_step = TimedStep(16, 16, plain=True)
     propose()  # wakes: the controller plans again, the step just run is no sample
     assert (
         planned == [True]
         and not speculator.controller.resting
-        and speculator.controller.step_tokens is None
+        and speculator.controller.timed_step is None
     )
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm_dspark.capacity.allocation import sps_best_count, sps_table_from_curve
+from vllm_dspark.capacity.controller import TimedStep
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.plain_steps import PLAIN_BURST
 from vllm_dspark.capacity.step_overhead import SETTLE, WINDOW, OverheadFit, StepOverhead
@@ -50,7 +51,7 @@ def fitted(drafts, residuals) -> tuple[float, float]:
     """(O, b) of a window at one batch size."""
     fit = OverheadFit()
     fit.add(np.full(len(drafts), 64.0), drafts, residuals)
-    fixed, per_request, per_draft, skip, compaction = fit.estimate()
+    fixed, per_request, per_draft, skip, compaction, _ = fit.estimate()
     assert per_request == pytest.approx(0.0, abs=1e-12)  # the batch size never varied
     assert skip == compaction == 0.0  # nothing was skipped, nor compacted
     return fixed, per_draft
@@ -72,7 +73,7 @@ def test_the_fit_splits_the_rest_into_per_step_and_per_draft_time():
     fit = OverheadFit()
     fit.add(requests, drafts, 1e-3 + 1e-5 * drafts)
     fit.add(requests, np.full(WINDOW, 300.0), np.full(WINDOW, 1e-3 + 1e-5 * 300))
-    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5, 0.0, 0.0), rel=1e-3, abs=1e-12)
+    assert fit.estimate() == pytest.approx((1e-3, 0.0, 1e-5, 0.0, 0.0, 0.0), rel=1e-3, abs=1e-12)
 
 
 def test_the_fit_also_finds_the_time_per_request():
@@ -83,7 +84,7 @@ def test_the_fit_also_finds_the_time_per_request():
     drafts = np.floor(requests * rng.uniform(0, 7, WINDOW))
     fit = OverheadFit()
     fit.add(requests, drafts, 5e-4 + 8e-6 * requests + 3e-6 * drafts)
-    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6, 0.0, 0.0), rel=1e-2)
+    assert fit.estimate() == pytest.approx((5e-4, 8e-6, 3e-6, 0.0, 0.0, 0.0), rel=1e-2)
 
 
 def test_the_fit_finds_what_a_skipped_proposal_costs():
@@ -95,7 +96,7 @@ def test_the_fit_finds_what_a_skipped_proposal_costs():
     requests = np.full(WINDOW, 16.0)
     fit = OverheadFit()
     fit.add(requests, drafts, 1e-3 + 1e-5 * drafts + 1.5e-3 * skipped, skipped)
-    fixed, _, per_draft, skip, _ = fit.estimate()
+    fixed, _, per_draft, skip, _, _ = fit.estimate()
     assert (fixed, per_draft, skip) == pytest.approx((1e-3, 1e-5, 1.5e-3), rel=2e-2)
 
 
@@ -109,7 +110,7 @@ def test_the_fit_finds_what_compacting_costs():
     fit = OverheadFit()
     residuals = 1e-3 + 1e-5 * drafts + 8e-4 * compacted
     fit.add(np.full(WINDOW, 16.0), drafts, residuals, None, compacted)
-    fixed, _, per_draft, skip, compaction = fit.estimate()
+    fixed, _, per_draft, skip, compaction, _ = fit.estimate()
     assert (fixed, per_draft, compaction) == pytest.approx((1e-3, 1e-5, 8e-4), rel=2e-2)
     assert skip == 0.0
 
@@ -298,9 +299,11 @@ def closed_loop_step(speculator, clock, num_reqs, survival, period, drafted):
         budget = num_reqs * speculator.num_speculative_steps
     else:
         budget = speculator.controller.admission_budget(num_reqs)  # 0 after a skipped proposal
-        speculator.controller.step_tokens = num_reqs + budget
         # What the wrapper marks: all R K drafts run vLLM's own step.
-        speculator.controller.step_compacted = budget < num_reqs * speculator.num_speculative_steps
+        compacted = budget < num_reqs * speculator.num_speculative_steps
+        speculator.controller.timed_step = TimedStep(
+            num_reqs + budget, num_reqs, compacted=compacted
+        )
     clock.now += period(budget, drafted)
     drafted = speculator.controller._rest_proposal(num_reqs)
     resting = drafted is not None
@@ -513,11 +516,11 @@ def run_plain_closed_loop(speculator, clock, num_reqs, survival, num_steps, peri
     for _ in range(num_steps):
         speculator.controller.next_step_drafts = next_step
         if this_step == 0:
-            speculator.controller.step_tokens, speculator.controller.step_plain = num_reqs, True
+            speculator.controller.timed_step = TimedStep(num_reqs, num_reqs, plain=True)
             clock.now += plain_s
         else:
             budget = speculator.controller.admission_budget(num_reqs)
-            speculator.controller.step_tokens = num_reqs + budget
+            speculator.controller.timed_step = TimedStep(num_reqs + budget, num_reqs)
             clock.now += period(budget, speculator.controller.drafted_last)
         speculator.controller._observe_step_time(num_reqs)
         drafted = speculator.controller._plan_drafting(num_reqs, num_drafts)
@@ -595,7 +598,7 @@ def test_a_closed_gate_with_plain_steps_times_its_probes_at_the_new_load(plugin_
 
         plain_s = 1 / float(table[num_reqs]) + plain_rest_s
         # The batch's prefill first: a step the curve does not describe.
-        speculator.controller.step_tokens = None
+        speculator.controller.timed_step = None
         clock.now += 0.05
         speculator.controller._observe_step_time(num_reqs)
         return run_plain_closed_loop(
@@ -611,3 +614,81 @@ def test_a_closed_gate_with_plain_steps_times_its_probes_at_the_new_load(plugin_
     assert overhead.per_draft_seconds < 2e-6
     late = plain[-8 * WINDOW :]
     assert sum(late) <= PLAIN_BURST + 2  # drafting again (a refresh's plain burst at most)
+
+
+def test_served_steps_with_prompts_teach_sps_what_each_request_costs(plugin_speculator):
+    """A server at saturation (the Qwen3-8B shape under `vllm bench serve`): every step
+    also carries prompts, about two prompt tokens per token it emits, as finished requests
+    are replaced, and each decoding request's context K/V costs 60 us a step, which the SPS
+    curve (dummy requests without context) never sees. Through the real plan_step, such
+    steps are samples of the fit: sps learns the per-request cost, charges the prompts to
+    nobody's drafts, and settles on the admission with the most tokens per second in the
+    long run. The curve alone admits far fewer drafts and loses."""
+    from test_compact_verification import K
+
+    from vllm_dspark.capacity.allocation import sps_best_count
+    from vllm_dspark.capacity.controller import StepFacts
+
+    num_reqs, prompts_per_token = 64, 2.0
+    fixed_s, per_request_s, per_draft_s, draft_s = 1e-3, 60e-6, 2e-6, 1e-3
+    # Weight-bound to 64 tokens (4 ms), then 62.5 us per token: at saturation every step
+    # is past the knee.
+    curve = [[1, 250.0]] + [[tokens, 16000.0 / tokens] for tokens in range(64, 1025, 16)]
+    speculator, clock = simulated_sps(plugin_speculator, curve, draft_s)
+    controller = speculator.controller
+    confidence = torch.linspace(0.6, 0.9, num_reqs)[:, None].repeat(1, K)
+    survival = torch.cumprod(confidence, dim=1)
+    ordered = survival.flatten().sort(descending=True).values
+
+    def emitted(drafts: int) -> float:
+        return num_reqs + float(ordered[:drafts].sum())
+
+    def step_seconds(drafts: int, prompt_tokens: int) -> float:
+        forward = controller._forward_seconds(num_reqs + drafts + prompt_tokens)
+        return forward + draft_s + fixed_s + per_request_s * num_reqs + per_draft_s * drafts
+
+    def true_rate(drafts: int) -> float:
+        """Tokens per second in the long run: each emitted token brings its prompt tokens."""
+        tokens = emitted(drafts)
+        return tokens / step_seconds(drafts, round(prompts_per_token * tokens))
+
+    budgets, prompt_tokens = [], 0
+    for _ in range(10 * WINDOW):
+        facts = StepFacts(
+            num_reqs=num_reqs + 4,  # and the new requests' prompts
+            num_tokens=num_reqs * (1 + K) + prompt_tokens,
+            num_drafting=num_reqs,
+            plain_decode=False,
+            next_step_drafts=K,
+            count_decoding=lambda: num_reqs,
+        )
+        plan = controller.plan_step(facts)
+        budget = num_reqs * K if plan is None else plan.budget
+        assert controller.timed_step.prompt_tokens == prompt_tokens
+        clock.now += step_seconds(budget, prompt_tokens)
+        controller._observe_step_time(num_reqs + 4)
+        controller.drafted_last = controller._plan_drafting(num_reqs, K)
+        controller.record_proposal(survival)
+        budgets.append(budget)
+        prompt_tokens = round(prompts_per_token * emitted(budget))
+
+    overhead = controller.step_overhead
+    assert overhead.per_step_seconds(num_reqs) == pytest.approx(
+        fixed_s + per_request_s * num_reqs, rel=0.1
+    )
+    assert overhead.prompt_token_seconds == pytest.approx(0.0, abs=1e-6)
+    best = max(range(num_reqs * K + 1), key=true_rate)
+    settled = max(set(budgets[-WINDOW:]), key=budgets[-WINDOW:].count)
+    assert true_rate(settled) >= 0.99 * true_rate(best), (settled, best)
+    bare = int(sps_best_count(survival, controller.sps_table, draft_s))
+    assert true_rate(bare) < 0.95 * true_rate(best), (bare, best)
+
+
+def test_a_step_past_the_curves_table_is_timed_at_its_last_tokens_per_second(
+    plugin_speculator,
+):
+    speculator, _ = simulated_sps(plugin_speculator, [[1, 250.0], [400, 250.0], [800, 125.0]], 0)
+    controller = speculator.controller
+    last = len(controller.sps_table_host) - 1
+    per_token = controller._forward_seconds(last) / last
+    assert controller._forward_seconds(3 * last) == pytest.approx(3 * last * per_token)

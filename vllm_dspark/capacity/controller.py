@@ -103,6 +103,21 @@ class StepFacts:
 
 
 @dataclasses.dataclass(frozen=True)
+class TimedStep:
+    """A planned step as the step-time fit reads it (:mod:`step_overhead`)."""
+
+    tokens: int  # what its forward runs: decoding tokens verified, then prompt tokens
+    requests: int  # decoding requests
+    prompt_tokens: int = 0
+    plain: bool = False  # a plain decode step (:mod:`plain_steps`)
+    compacted: bool = False  # its batch is compacted to what it verifies
+
+    @property
+    def drafts(self) -> int:
+        return self.tokens - self.requests - self.prompt_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """What a decode step verifies: ``budget`` of its drafts, compacted or ``masked``."""
 
@@ -164,11 +179,11 @@ class CapacityController(DepthControl):
         self.sps_table = None
         self.sps_table_host = None
         # sps: the step's time outside the curve, measured once per engine (switched
-        # between arms, it keeps the host's costs); plan_step sets the tokens
-        # the running step verifies (None: not a decode step).
+        # between arms, it keeps the host's costs); plan_step sets what the running step
+        # runs (None: a step the curve does not describe).
         self.measured_overhead = previous.measured_overhead if previous else None
         self.step_overhead = None
-        self.step_tokens = None
+        self.timed_step: TimedStep | None = None
         self.steps_since_varied = 0
         uses_curve = options.capacity in CURVE_MODES
         if uses_curve and options.step_overhead_ms == "auto":
@@ -217,8 +232,6 @@ class CapacityController(DepthControl):
         self.gate_report = num_drafts
         self.gate_depth = num_drafts  # the depth the draft gate last let a proposal draft
         self.open_verdict_pending = False
-        self.step_plain = False  # the running step is a plain decode step (set beside step_tokens)
-        self.step_compacted = False  # ... a compacted decode step
         self.full_probe_next = False  # sps: whether the next probe verifies all R K drafts
         self.plain_cost_probe = PlainCostProbe() if options.plain_steps else None
         # acceptance: a depth from verified steps' acceptance per position (their counts
@@ -279,16 +292,19 @@ class CapacityController(DepthControl):
         """Before a step runs: what it verifies (None: vLLM's own step, every draft
         verified), noting what the step-time fit reads of it."""
         self.next_step_drafts = step.next_step_drafts
+        self.timed_step = None
         if self.options.plain_steps and step.plain_decode:
             # Timed apart: the draft gate weighs drafting against this step's cost.
-            self.step_tokens, self.step_plain = step.num_reqs, True
+            self.timed_step = TimedStep(step.num_reqs, step.num_reqs, plain=True)
         plan = self._step_budget(step)
         if plan is not None and self.masked_step_drafts > 0:
             # The target runs every draft: what the step's forward costs.
-            self.step_tokens = step.num_reqs * (1 + self.masked_step_drafts)
+            tokens = step.num_reqs * (1 + self.masked_step_drafts)
+            self.timed_step = TimedStep(tokens, step.num_reqs)
             plan = StepPlan(plan.budget, masked=True)
-        # Timed apart from vLLM's own steps: the compaction premium (step_overhead.py).
-        self.step_compacted = plan is not None and not plan.masked and plan.mixed is None
+        elif plan is not None and plan.mixed is None:
+            # Timed apart from vLLM's own steps: the compaction premium (step_overhead.py).
+            self.timed_step = dataclasses.replace(self.timed_step, compacted=True)
         return plan
 
     def _step_budget(self, step: StepFacts) -> StepPlan | None:
@@ -303,8 +319,8 @@ class CapacityController(DepthControl):
         num_drafts = self.num_speculative_steps
         mixed = decoding < step.num_reqs
         budget = self.admission_budget(decoding, vary=not mixed)
-        if not mixed:  # what the step verifies, for sps (a step with prompts is off its curve)
-            self.step_tokens = decoding + budget
+        prompt_tokens = step.num_tokens - decoding * (1 + num_drafts)
+        self.timed_step = TimedStep(decoding + budget + prompt_tokens, decoding, prompt_tokens)
         if budget == decoding * num_drafts:
             # Every draft admitted: compaction would be the identity. vLLM's own step (and
             # its uniform-decode graph) runs the same tokens with less host work.
@@ -550,22 +566,35 @@ class CapacityController(DepthControl):
         return drafted_counts(cu_num_logits, num_sampled, depth, num_drafts)
 
     def _observe_step_time(self, num_reqs: int) -> None:
-        """At a real proposal, for ``sps``: the step that just ran is one sample of the
-        time outside the curve (:mod:`step_overhead`)."""
+        """At a real proposal for ``num_reqs`` requests, for ``sps``: the step that just
+        ran is one sample of the time outside the curve (:mod:`step_overhead`)."""
         if self.step_overhead is None or self.sps_table_host is None:
             return
-        tokens, self.step_tokens = self.step_tokens, None
-        plain, self.step_plain = self.step_plain, False
-        compacted, self.step_compacted = self.step_compacted, False
-        if tokens is None or tokens >= len(self.sps_table_host):
-            # Not a decode step, or beyond the table: outside what the curve describes.
+        step, self.timed_step = self.timed_step, None
+        if step is None:  # not a step the curve describes
             self.step_overhead.observe(None, 0.0, 0.0)
             return
-        forward = 1.0 / float(self.sps_table_host[tokens])
-        drafts = tokens - num_reqs
-        draft_s = 0.0 if plain else self._draft_seconds(num_reqs)
-        skipped = not self.drafted_last and not plain
-        self.step_overhead.observe(drafts, forward, draft_s, num_reqs, skipped, plain, compacted)
+        draft_s = 0.0 if step.plain else self._draft_seconds(num_reqs)
+        skipped = not self.drafted_last and not step.plain
+        self.step_overhead.observe(
+            step.drafts,
+            self._forward_seconds(step.tokens),
+            draft_s,
+            step.requests,
+            skipped,
+            step.plain,
+            step.compacted,
+            step.prompt_tokens,
+        )
+
+    def _forward_seconds(self, tokens: int) -> float:
+        """The curve's forward for a step of ``tokens``; past the table (a step carrying
+        prompts), at the table's last tokens per second, as the curve ends."""
+        table = self.sps_table_host
+        last = len(table) - 1
+        if tokens <= last:
+            return 1.0 / float(table[tokens])
+        return tokens / (last * float(table[last]))
 
     def _draft_seconds(self, num_reqs: int) -> float:
         """The profiled time of the last proposal (0 when it was skipped)."""
@@ -592,7 +621,7 @@ class CapacityController(DepthControl):
         if not rest.take_proposal(num_reqs, self.stale_budget.proposals):
             # Woken: the step just run is no sample of the step overhead (the clock ran
             # through the rest).
-            self.step_tokens = None
+            self.timed_step = None
             return None
         drafting = not self.options.plain_steps or self.next_step_drafts != 0
         self.proposals_at_depth[self.draft_depth - 1] += drafting
