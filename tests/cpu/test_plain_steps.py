@@ -521,7 +521,7 @@ def test_an_acceptance_gate_closed_by_rejections_probes_and_reopens_through_the_
     bursts = [step for step in probes if step - 1 not in probes]
     assert len(bursts) == 2 and bursts[1] - bursts[0] == PROBE_EVERY + PLAIN_PROBE_BURST - 1
     # The scheduler takes a burst's first verdicts late: two steps in a row verify its
-    # drafts, and the second, after a step of its kind, is timed (step_overhead.SETTLE).
+    # drafts.
     assert probes == [bursts[0], bursts[0] + 1, bursts[1], bursts[1] + 1]
     reopened = next(step for step in range(150, 300) if all(verified_per_step[step:]))
     assert reopened < 300 - 20

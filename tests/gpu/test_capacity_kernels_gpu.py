@@ -44,3 +44,24 @@ def test_survival_snapshots_reach_the_host_as_taken():
 @pytest.mark.parametrize("case", CONFIDENCE_CASES)
 def test_confidence_kernel_matches_the_head(case):
     check_kernel_against_head(case, torch.device("cuda"))
+
+
+def test_step_periods_are_read_off_the_stream_without_waiting():
+    """The step-overhead fit's periods: the time the stream ran between two marks (here a
+    20 ms sleep), read once the later mark is done, never by waiting for it."""
+    from vllm_dspark.capacity.step_overhead import DevicePeriods
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 1_000_000 / start.elapsed_time(end)
+
+    periods = DevicePeriods()
+    assert periods.mark(None) == []  # a start only
+    torch.cuda._sleep(int(20 * cycles_per_ms))
+    assert periods.mark("sleep") == []  # still sleeping: nothing waited for
+    torch.cuda.synchronize()
+    (seconds, payload), *_ = periods.mark("next")
+    assert payload == "sleep" and seconds == pytest.approx(0.020, rel=0.25)

@@ -584,7 +584,6 @@ class CapacityController(DepthControl):
             skipped,
             step.plain,
             step.compacted,
-            step.prompt_tokens,
         )
 
     def _forward_seconds(self, tokens: int) -> float:
