@@ -10,7 +10,13 @@ from vllm_dspark.capacity.allocation import sps_best_count, sps_table_from_curve
 from vllm_dspark.capacity.controller import TimedStep
 from vllm_dspark.capacity.draft_gate import DraftGate, draft_seconds_table
 from vllm_dspark.capacity.plain_steps import PLAIN_BURST
-from vllm_dspark.capacity.step_overhead import WINDOW, HostPeriods, OverheadFit, StepOverhead
+from vllm_dspark.capacity.step_overhead import (
+    WINDOW,
+    DevicePeriods,
+    HostPeriods,
+    OverheadFit,
+    StepOverhead,
+)
 
 CPU = torch.device("cpu")
 
@@ -188,6 +194,109 @@ def test_ranks_with_different_clocks_plan_with_the_same_value():
     assert ranks[0].per_draft_seconds == ranks[1].per_draft_seconds
     assert ranks[0].compaction_seconds == ranks[1].compaction_seconds
     assert ranks[0].compaction_seconds == pytest.approx(0.3, rel=1e-4)
+
+
+class FakeStream:
+    """A device stream on a fake clock (ms): work enqueued runs after the work before it,
+    and an event is done once the host's clock reaches the time the stream reaches it."""
+
+    def __init__(self):
+        self.host = 0.0  # the host's clock
+        self.busy_until = 0.0  # when the stream finishes what was enqueued
+
+    def enqueue(self, ms: float) -> None:
+        self.busy_until = max(self.busy_until, self.host) + ms
+
+    def event_class(self):
+        stream = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = max(stream.busy_until, stream.host)
+
+            def query(self):
+                return stream.host >= self.at
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        return Event
+
+
+@pytest.fixture
+def fake_stream(monkeypatch) -> FakeStream:
+    stream = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", stream.event_class())
+    return stream
+
+
+@pytest.mark.parametrize(("host_ms", "device_ms"), [(1.0, 5.0), (5.0, 1.0)])
+def test_device_periods_time_each_step_as_the_stream_runs_it(fake_stream, host_ms, device_ms):
+    """Device-bound (the host marks each step 1 ms after the last, its 5 ms of work queued
+    behind) and host-bound (5 ms on the host, 1 ms on the device): every period is the
+    slower of the two and comes back with its own step, in order, once done."""
+    periods = DevicePeriods()
+    read = periods.mark(None)
+    for step in range(20):
+        fake_stream.host += host_ms
+        fake_stream.enqueue(device_ms)
+        read += periods.mark(step)
+    fake_stream.host += 1000.0  # the stream catches up
+    read += periods.mark(None)
+    assert [step for _, step in read] == list(range(20))
+    # (The first also holds what the stream waited for the host's first step.)
+    step_s = max(host_ms, device_ms) / 1e3
+    assert [seconds for seconds, _ in read[1:]] == pytest.approx([step_s] * 19)
+
+
+def test_device_periods_forget_what_a_stream_far_behind_has_not_run(fake_stream):
+    periods = DevicePeriods(slots=8)
+    read = periods.mark(None)
+    for step in range(20):  # 20 steps of 5 ms marked at once: never done in time
+        fake_stream.enqueue(5.0)
+        read += periods.mark(step)
+    fake_stream.host += 1000.0
+    read += periods.mark(None)
+    # The marks before each forgetting are gone; every period read is still one step's.
+    assert 0 < len(read) < 19 and all(seconds == pytest.approx(5e-3) for seconds, _ in read)
+    assert [step for _, step in read] == sorted(step for _, step in read)
+
+
+def test_ranks_whose_streams_lag_differently_publish_at_the_same_step():
+    """The reduction over ranks is a collective: each rank must publish at the same step
+    whatever its stream has run. Rank 1 reads its periods three steps late."""
+
+    class LatePeriods(HostPeriods):
+        """Host periods handed out ``late`` marks after they end."""
+
+        def __init__(self, clock, late):
+            super().__init__(clock)
+            self.late, self.waiting = late, []
+
+        def mark(self, payload):
+            self.waiting.append(super().mark(payload))
+            return self.waiting.pop(0) if len(self.waiting) > self.late else []
+
+    published = [[], []]
+    clock = FakeClock()
+    ranks = []
+    for rank, late in enumerate((0, 3)):
+        overhead = StepOverhead(CPU, periods=LatePeriods(clock, late))
+        overhead._publish = lambda fitted, rank=rank: published[rank].append(fitted)
+        ranks.append(overhead)
+    marks = []
+    for step in range(3 * WINDOW + 1):
+        clock.now += 0.005
+        for rank, overhead in enumerate(ranks):
+            before = len(published[rank])
+            overhead.observe(64, 0.003, 0.001)
+            if len(published[rank]) > before:
+                marks.append((rank, step))
+    assert [step for rank, step in marks if rank == 0] == [step for rank, step in marks if rank]
+    assert len(published[0]) == 3
 
 
 def test_overhead_makes_sps_admit_what_a_bare_curve_refuses():
