@@ -686,7 +686,8 @@ def _served(record: dict, setup: str) -> tuple[list[dict], str | None]:
 
 def served_tpot(record: dict, setup: str) -> dict:
     """sps's p50 and p90 TPOT against the best arm's at each request rate any arm of the
-    setup was served at; a rate without sps leaves the verdict open."""
+    setup was served at, as measured in the newest run that served sps at that rate; a
+    rate without sps leaves the verdict open."""
     rows, run = _served(record, setup)
     target = (
         f"{setup}: sps's p50 TPOT <= {TPOT_P50_LIMIT}x and p90 <= {TPOT_P90_LIMIT}x the "
@@ -697,9 +698,13 @@ def served_tpot(record: dict, setup: str) -> dict:
     measured, verdicts = {}, []
     arms = {r["arm"] for r in rows}
     for rate in sorted({r["request_rate"] for r in rows}, key=float):
+        sps_runs = [
+            r.get("run") or "" for r in rows if r["arm"] == "sps" and r["request_rate"] == rate
+        ]
+        rate_run = max(sps_runs, default=run)
         entry = {}
         for metric, limit in (("tpot_p50_ms", TPOT_P50_LIMIT), ("tpot_p90_ms", TPOT_P90_LIMIT)):
-            points = {a: served_point(rows, a, rate, run, metric) for a in arms}
+            points = {a: served_point(rows, a, rate, rate_run, metric) for a in arms}
             points = {a: point for a, point in points.items() if point is not None}
             if "sps" not in points:
                 entry = None

@@ -502,3 +502,21 @@ def test_a_served_rate_without_sps_leaves_the_tpot_verdict_open(tmp_path):
     points[("sps", 4.0)] = (2.40, 2.52, 990.0)
     write(tmp_path, "serving.json", {"rows": served_rows("2026-12-07", points)})
     assert summarize(tmp_path, "serving")[0][0]["passes"] is False
+
+
+def test_a_rate_the_newest_run_left_out_is_judged_in_the_run_that_served_sps_there(tmp_path):
+    """Run 1 served 4 req/s and saturation; run 2 served 16 req/s and saturation only. The
+    4 req/s comparison stays run 1's, where every arm was served at it."""
+    first = {("nospec", 4.0): (7.3, 7.5, 968.0), ("k7", 4.0): (2.30, 2.51, 1000.0)}
+    first |= {("sps", 4.0): (2.31, 2.52, 1000.0), ("k7", "inf"): (25.3, 29.5, 8756.0)}
+    second = {("k7", 16.0): (2.94, 3.45, 4012.0), ("sps", 16.0): (2.89, 3.40, 4013.0)}
+    second |= {("k7", "inf"): (25.6, 30.0, 8734.0), ("sps", "inf"): (22.8, 26.1, 9978.0)}
+    rows = served_rows("2026-12-07T19", first) + served_rows("2026-12-07T22", second)
+    write(tmp_path, "serving.json", {"rows": rows})
+    tpot = summarize(tmp_path, "serving")[0][0]
+    at_four = tpot["measured"]["4.0"]["tpot_p90_ms"]
+    assert at_four["best"]["run"] == "2026-12-07T19" and at_four["ratio"] == pytest.approx(
+        2.52 / 2.51
+    )
+    assert tpot["measured"]["16.0"]["tpot_p50_ms"]["best_arm"] == "sps"
+    assert tpot["passes"] is True
