@@ -362,6 +362,8 @@ def plugin_counts(admission: AdmissionCounts) -> dict:
         "proposals_skipped": admission.proposals_skipped,
         "proposals_rested": admission.proposals_rested,
         "step_overhead_ms": admission.step_overhead_ms,
+        "per_request_overhead_us": admission.per_request_overhead_us,
+        "per_draft_overhead_us": admission.per_draft_overhead_us,
         "plain_step_ms": admission.plain_step_ms,
     }
 

@@ -560,3 +560,18 @@ def test_collective_rpc_posts_the_method_and_returns_each_ranks_result():
     finally:
         server.shutdown()
     assert received == [("/collective_rpc", {"method": "dspark_admission_counts"})]
+
+
+def test_a_points_plugin_counts_are_differences_and_its_fitted_costs_the_end_values():
+    """Counters count over the point (after minus before); the step-overhead fit's O, a and
+    b are what it had fitted by the point's end."""
+    from vllm_dspark.metrics import AdmissionCounts
+
+    before = AdmissionCounts(proposed=700, admitted=350, num_drafts=7, steps=10)
+    before.per_request_overhead_us = 20.0
+    after = AdmissionCounts(proposed=2100, admitted=750, num_drafts=7, steps=30)
+    after.step_overhead_ms, after.per_request_overhead_us = 0.5, 60.0
+    counts = serve_bench.plugin_counts(after - before)
+    assert counts["compacted_steps"] == 20
+    assert counts["verified_per_compacted_step"] == pytest.approx(400 / 200)
+    assert (counts["step_overhead_ms"], counts["per_request_overhead_us"]) == (0.5, 60.0)
