@@ -773,7 +773,7 @@ def served_saturation(plugin_speculator, given_overhead_ms: float | None):
     and fixed k=7's expected tokens per second and sps's drafts verified per request over
     the settled second half, and the step overhead. ``given_overhead_ms``: sps told that O
     (not measuring), else ``auto``."""
-    from vllm_dspark.capacity.controller import StepFacts
+    from test_step_overhead import plan_served_step
 
     load, prompts_per_token, steps = 256, 2.0, 40 * WINDOW_STEPS
     options = {"dspark_capacity": "sps", "dspark_sps_curve": profiled_curve()}
@@ -798,16 +798,7 @@ def served_saturation(plugin_speculator, given_overhead_ms: float | None):
     tokens = seconds = k7_tokens = k7_seconds = 0.0
     admitted = []
     for step in range(steps):
-        facts = StepFacts(
-            num_reqs=load + 4,  # and the new requests' prompts
-            num_tokens=load * (1 + K) + prompt_tokens,
-            num_drafting=load,
-            plain_decode=False,
-            next_step_drafts=K,
-            count_decoding=lambda: load,
-        )
-        plan = controller.plan_step(facts)
-        budget = load * K if plan is None else plan.budget
+        plan, budget = plan_served_step(controller, load, prompt_tokens)
         emitted = float(load)
         if depth and budget:
             if plan is None:  # every draft, vLLM's own step

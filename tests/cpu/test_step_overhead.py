@@ -721,6 +721,25 @@ def test_a_closed_gate_with_plain_steps_times_its_probes_at_the_new_load(plugin_
     assert sum(late) <= PLAIN_BURST + 2  # drafting again (a refresh's plain burst at most)
 
 
+def plan_served_step(controller, num_reqs: int, prompt_tokens: int):
+    """plan_step for a served step: ``num_reqs`` requests decoding with all K drafts, and
+    new requests' prompts of ``prompt_tokens`` in all. Returns (the plan, the drafts it
+    verifies)."""
+    from vllm_dspark.capacity.controller import StepFacts
+
+    num_drafts = controller.num_speculative_steps
+    facts = StepFacts(
+        num_reqs=num_reqs + 4,  # and the new requests' prompts
+        num_tokens=num_reqs * (1 + num_drafts) + prompt_tokens,
+        num_drafting=num_reqs,
+        plain_decode=False,
+        next_step_drafts=num_drafts,
+        count_decoding=lambda: num_reqs,
+    )
+    plan = controller.plan_step(facts)
+    return plan, num_reqs * num_drafts if plan is None else plan.budget
+
+
 def test_served_steps_with_prompts_teach_sps_what_each_request_costs(plugin_speculator):
     """A server at saturation (the Qwen3-8B shape under `vllm bench serve`): every step
     also carries prompts, about two prompt tokens per token it emits, as finished requests
@@ -730,9 +749,6 @@ def test_served_steps_with_prompts_teach_sps_what_each_request_costs(plugin_spec
     nobody's drafts, and settles on the admission with the most tokens per second in the
     long run. The curve alone admits far fewer drafts and loses."""
     from test_compact_verification import K
-
-    from vllm_dspark.capacity.allocation import sps_best_count
-    from vllm_dspark.capacity.controller import StepFacts
 
     num_reqs, prompts_per_token = 64, 2.0
     fixed_s, per_request_s, per_draft_s, draft_s = 1e-3, 60e-6, 2e-6, 1e-3
@@ -759,16 +775,7 @@ def test_served_steps_with_prompts_teach_sps_what_each_request_costs(plugin_spec
 
     budgets, prompt_tokens = [], 0
     for _ in range(10 * WINDOW):
-        facts = StepFacts(
-            num_reqs=num_reqs + 4,  # and the new requests' prompts
-            num_tokens=num_reqs * (1 + K) + prompt_tokens,
-            num_drafting=num_reqs,
-            plain_decode=False,
-            next_step_drafts=K,
-            count_decoding=lambda: num_reqs,
-        )
-        plan = controller.plan_step(facts)
-        budget = num_reqs * K if plan is None else plan.budget
+        plan, budget = plan_served_step(controller, num_reqs, prompt_tokens)
         assert controller.timed_step.prompt_tokens == prompt_tokens
         clock.now += step_seconds(budget, prompt_tokens)
         controller._observe_step_time(num_reqs + 4)
