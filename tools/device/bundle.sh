@@ -5,7 +5,7 @@
 #   here:   bash tools/device/bundle.sh split BUNDLE PARTS [XWHL]  # after shared/device/build_vllm_bundle.sh
 #   there:  bash tools/device/bundle.sh stash PARTS/partNN    # one call per part (carry it)
 #   there:  . tools/device/bundle.sh install                  # once all parts are stashed
-#   there:  bash tools/device/bundle.sh save-caches NAME      # into $OUT: NAME_caches.tar.gz
+#   there:  bash tools/device/bundle.sh save-caches NAME      # into $OUT: NAME_caches.tar.gz.N
 # A part travels as one carried folder of PART_MIB (default 38) MiB: a call carries 64 MiB,
 # the tree (~24 MiB) included; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
@@ -16,12 +16,27 @@
 # A fresh machine compiles every kernel again: Triton's, torch.compile's per engine
 # configuration (about 40 s an engine) and, for DeepSeek-V4, DeepGEMM's and tilelang's
 # (about 14 minutes). `save-caches` packs what this machine compiled (finished kernels
-# only); keep the archive here and stash it like a part (`stash` takes chunks and
-# *_caches.tar.gz alike); `install` unpacks every stashed archive into $HOME once. Kernels
-# are compiled for SM90: an H100 or H200 alike.
+# only) as pieces under 16 MiB; keep them here and stash them like parts, at most 38 MiB a
+# call (`stash` takes chunks and caches alike); `install` unpacks each archive whose pieces
+# are all stashed into $HOME once. Kernels are compiled for SM90: an H100 or H200 alike.
 set -u
-cmd=${1:?usage: bundle.sh split|stash|install|save-caches ...}
+cmd=${1:?usage: bundle.sh split|stash|install|save-caches|restore-caches ...}
 caches=(.triton/cache .cache/vllm/torch_compile_cache .cache/vllm/deep_gemm/cache .tilelang)  # under $HOME
+stashed=${VB_PARTS:-/opt/vb/parts}
+
+# Unpack into $HOME each stashed cache archive whose pieces are all here, once.
+restore_caches() {
+  local archive
+  for archive in $(ls "$stashed"/*_caches.tar.gz* 2>/dev/null | sed 's/\.gz\..*$/.gz/' | sort -u); do
+    [ ! -f "$archive.restored" ] || continue
+    if cat "$archive"* | gzip -t 2>/dev/null; then  # reads the whole archive: a piece missing fails
+      cat "$archive"* | tar -C "$HOME" -xzf - && touch "$archive.restored" && echo "restored ${archive##*/}"
+    else
+      echo "bundle.sh: ${archive##*/} is not whole yet (stash its other pieces); not restored" >&2
+    fi
+  done
+}
+
 case "$cmd" in
   split)
     bundle=${2:?bundle dir}; parts=${3:?parts dir}; xwhl=${4:-}; xw=()
@@ -38,21 +53,23 @@ case "$cmd" in
     ;;
   stash)
     part=${2:?part dir}
-    files=$(find "$part" -maxdepth 1 \( -name 'chunk*' -o -name '*_caches.tar.gz' \))
+    files=$(find "$part" -maxdepth 1 \( -name 'chunk*' -o -name '*_caches.tar.gz*' \))
     [ -n "$files" ] || { echo "bundle.sh: no chunks or caches in $part" >&2; exit 1; }
     # shellcheck disable=SC2086  # paths without spaces, one a line
-    mkdir -p /opt/vb/parts && cp $files /opt/vb/parts/ && ls /opt/vb/parts
+    mkdir -p "$stashed" && cp $files "$stashed"/ && ls "$stashed"
     ;;
   save-caches)
     name=${2:?name, e.g. dense or dsv4}
-    (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf "$OUT/${name}_caches.tar.gz" -T -) \
-      && ls -la "$OUT/${name}_caches.tar.gz"
+    # pieces of 15 MiB: a file comes back from $OUT only under 16 MiB
+    (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf - -T -) \
+      | split -b 15M -d -a 1 - "$OUT/${name}_caches.tar.gz." && ls -la "$OUT"
     ;;
+  restore-caches) restore_caches ;;
   install)
     site=/tmp/vsite
     if [ ! -f "$site/.complete" ]; then
       rm -rf /opt/vb/bundle "$site" && mkdir -p /opt/vb/bundle "$site"
-      cat /opt/vb/parts/chunk* | tar -C /opt/vb/bundle -xf - || return 1 2>/dev/null || exit 1
+      cat "$stashed"/chunk* | tar -C /opt/vb/bundle -xf - || return 1 2>/dev/null || exit 1
       b=/opt/vb/bundle
       xw=("$b"/xwhl/*.whl); [ -e "${xw[0]}" ] || xw=()
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
@@ -61,10 +78,7 @@ case "$cmd" in
       xz -dc "$b/p1/vllm_C.so.xz" > "$site/vllm/_C_stable_libtorch.abi3.so"
       touch "$site/.complete"
     fi
-    for archive in /opt/vb/parts/*_caches.tar.gz; do
-      [ -f "$archive" ] && [ ! -f "$archive.restored" ] || continue
-      tar -C "$HOME" -xzf "$archive" && touch "$archive.restored" && echo "restored ${archive##*/}"
-    done
+    restore_caches
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     python3 -c "import vllm; print('vllm', vllm.__version__, 'ready')"
     ;;
