@@ -20,11 +20,10 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from offline_sweep import DEFAULT_RATES, conditional_rates
-from shapes import write_shape
+from shapes import shape_root, write_shape
 
 K = 7
 
@@ -66,7 +65,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM
 
-    paths = write_shape("qwen3-8b", Path(tempfile.mkdtemp()))
+    paths = write_shape("qwen3-8b", shape_root("draft-depth-time") / "qwen3-8b")
     rates = [float(r) for r in DEFAULT_RATES.split(",")]
     llm = LLM(
         model=paths["target"],

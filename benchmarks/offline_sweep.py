@@ -77,7 +77,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from shapes import DSV4, SHAPES, write_deepseek_v4_shape, write_shape
+from shapes import DSV4, SHAPES, shape_root, write_deepseek_v4_shape, write_shape
 
 from vllm_dspark.bench import DUMMY_WEIGHTS_EXTENSION
 from vllm_dspark.demo.report import first_difference
@@ -946,10 +946,11 @@ def main() -> int:
         paths["dflash"] = None  # the embedded pair has no DFlash drafter
     elif args.pair in DSV4:
         # One folder: the target, whose checkpoint holds its DSpark module (no DFlash).
-        target = write_deepseek_v4_shape(args.pair, Path(tempfile.mkdtemp()))
+        target = write_deepseek_v4_shape(args.pair, shape_root("offline"))
         paths = {"target": target, "draft": None, "dflash": None}
     else:
-        paths = write_shape(args.pair, Path(tempfile.mkdtemp()), block=args.num_drafts)
+        folder = shape_root("offline") / f"{args.pair}-k{args.num_drafts}"
+        paths = write_shape(args.pair, folder, block=args.num_drafts)
     curve = str(Path(args.sps_curve).resolve()) if args.sps_curve else None
     runs = engine_runs(arms, args.shared_engine, curve, deepseek_v4=args.pair in DSV4)
     if args.mirror:

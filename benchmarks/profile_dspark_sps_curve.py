@@ -21,10 +21,9 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
-from shapes import SHAPES, write_shape
+from shapes import SHAPES, shape_root, write_shape
 
 
 def time_steps(worker, warmup: int, repeats: int, rounds: int) -> list:
@@ -76,7 +75,7 @@ def main() -> int:
 
     from vllm_dspark.capacity.sps_profile import curve_from_times
 
-    target = args.target or write_shape(args.shape, Path(tempfile.mkdtemp()))["target"]
+    target = args.target or write_shape(args.shape, shape_root("sps-curve") / args.shape)["target"]
     llm = LLM(
         model=target,
         load_format="auto" if args.real_weights else "dummy",

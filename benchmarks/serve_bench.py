@@ -54,7 +54,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +65,7 @@ from offline_sweep import (
     capture_sizes,
     speculative_config,
 )
-from shapes import SHAPES, write_shape
+from shapes import SHAPES, shape_root, write_shape
 
 from vllm_dspark.bench import DUMMY_WEIGHTS_EXTENSION
 from vllm_dspark.metrics import PREFIX, AdmissionCounts, SpecDecodeCounts
@@ -217,8 +216,12 @@ def shape_models(shape: str, root: Path, input_len: int, output_len: int) -> Mod
     )
 
 
-def setup_models(setup: str, root: Path, input_len: int, output_len: int) -> Models:
-    """``input_len``: the random prompts of a shape (the embedded pair's are its own)."""
+def setup_models(setup: str, input_len: int, output_len: int) -> Models:
+    """``input_len``: the random prompts of a shape (the embedded pair's are its own).
+    Written under ``shape_root``, a folder that keeps its path, so that vLLM's compile
+    caches (keyed by the model's path) serve the next run too."""
+    root = shape_root("serve") / setup
+    root.mkdir(parents=True, exist_ok=True)
     if setup == "embedded":
         return embedded_models(root, output_len)
     return shape_models(setup, root, input_len, output_len)
@@ -634,16 +637,15 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         write_record(args.out, provenance, rows, failed)
 
-    with tempfile.TemporaryDirectory() as root:
-        models = setup_models(args.setup, Path(root), args.input_len, args.output_len)
-        for name in arms:
-            try:
-                run_arm(name, models, args, points_dir, keep)
-            except (RuntimeError, TimeoutError) as error:
-                # The other arms still run; the logs under points_dir say why.
-                failed[name] = str(error)
-                print(f"{name} failed: {error}", file=sys.stderr, flush=True)
-                write_record(args.out, provenance, rows, failed)
+    models = setup_models(args.setup, args.input_len, args.output_len)
+    for name in arms:
+        try:
+            run_arm(name, models, args, points_dir, keep)
+        except (RuntimeError, TimeoutError) as error:
+            # The other arms still run; the logs under points_dir say why.
+            failed[name] = str(error)
+            print(f"{name} failed: {error}", file=sys.stderr, flush=True)
+            write_record(args.out, provenance, rows, failed)
     return 1 if failed else 0
 
 

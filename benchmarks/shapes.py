@@ -5,6 +5,7 @@ fused MoE path); its drafters stay dense Qwen3 layers of the target's width."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 SHAPES = {
@@ -22,6 +23,14 @@ MOE = {
     "qwen3-30b-a3b": (128, 8, 768),
     "tiny-moe": (8, 2, 128),
 }
+
+
+def shape_root(driver: str) -> Path:
+    """The folder a benchmark driver writes its shapes under: the same path on every run
+    and machine, because vLLM keys its torch.compile cache by the model's (and drafter's)
+    path, so shapes in a new temporary folder miss the cache on every start. ``driver``
+    keeps drivers that write different files beside a shape apart."""
+    return Path(tempfile.gettempdir()) / "vllm-dspark-shapes" / driver
 
 
 def write_shape(shape: str, root: Path, draft_layers: int = 2, block: int = 7) -> dict[str, str]:

@@ -132,7 +132,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -148,7 +147,7 @@ from offline_sweep import (  # noqa: E402
     seeded_params,
     sweep_prompts,
 )
-from shapes import write_shape  # noqa: E402
+from shapes import shape_root, write_shape  # noqa: E402
 
 SHAPE = "qwen3-8b"
 # Arm name -> (number of speculative tokens (0: no speculation), acceptance). "rates":
@@ -1207,7 +1206,7 @@ def main() -> int:
             parser.error(f"--pair embedded runs k=7 arms only; not {sorted(set(arms) - set(fits))}")
         target, pair_draft = str(EMBEDDED_PAIR / "target"), str(EMBEDDED_PAIR / "draft")
     else:
-        root = Path(tempfile.mkdtemp())
+        root = shape_root("step-breakdown") / SHAPE
         target = write_shape(SHAPE, root)["target"]
     rows, earlier = [], []
     if args.merge:

@@ -7,6 +7,7 @@ import http.server
 import io
 import json
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -141,6 +142,20 @@ def options():
 @pytest.fixture(scope="module")
 def qwen3_models(tmp_path_factory):
     return shape_models("qwen3-8b", tmp_path_factory.mktemp("shape"), 128, 128)
+
+
+def test_shapes_keep_their_paths_from_run_to_run(tmp_path, monkeypatch):
+    """vLLM keys its torch.compile cache by the model's and drafter's paths: the next run
+    must write the same folders, or every start compiles again."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = serve_bench.setup_models("qwen3-8b", 512, 256)
+    second = serve_bench.setup_models("qwen3-8b", 512, 256)
+    assert (first.target, first.dspark, first.dflash) == (
+        second.target,
+        second.dspark,
+        second.dflash,
+    )
+    assert Path(first.target).is_relative_to(tmp_path)
 
 
 def test_arms_default_to_what_the_setup_runs():
