@@ -66,8 +66,8 @@ def test_restore_waits_for_every_piece_then_unpacks_once(tmp_path):
     kernels.parent.mkdir(parents=True)
     kernels.write_bytes(os.urandom(20 << 20))
     out.mkdir()
-    assert bundle("save-caches", "dense", home=built, OUT=str(out)).returncode == 0
-    first, *rest = sorted(out.glob("dense_caches.tar.gz.*"))
+    assert bundle("save-caches", "probe", home=built, OUT=str(out)).returncode == 0
+    first, *rest = sorted(out.glob("probe_caches.tar.gz.*"))
     fresh = tmp_path / "fresh"
     fresh.mkdir()
 
@@ -79,14 +79,26 @@ def test_restore_waits_for_every_piece_then_unpacks_once(tmp_path):
     first.rename(out / "a" / first.name)
     partial = stash_and_restore(out / "a" / first.name)
     assert "not whole yet" in partial.stderr
-    assert not (fresh / ".triton").exists()
+    assert not (fresh / ".triton/cache/big").exists()
 
     (out / "b").mkdir()
     for piece in rest:
         piece.rename(out / "b" / piece.name)
     whole = stash_and_restore(out / "b" / rest[0].name)
-    assert "restored dense_caches.tar.gz" in whole.stdout
+    assert "restored probe_caches.tar.gz" in whole.stdout
     assert (fresh / ".triton/cache/big/kernel.cubin").read_bytes() == kernels.read_bytes()
 
     again = bundle("restore-caches", home=fresh, VB_PARTS=str(stashed))
     assert again.returncode == 0 and "restored" not in again.stdout
+
+
+def test_a_committed_archive_restores_without_stashing(tmp_path):
+    """Only committed files outlive a checkout: tools/device/caches/ travels with the tree
+    and restores on install like a stashed archive."""
+    committed = sorted((SCRIPT.parent / "caches").glob("*_caches.tar.gz*"))
+    assert committed
+    fresh, stashed = tmp_path / "fresh", tmp_path / "stashed"
+    fresh.mkdir()
+    done = bundle("restore-caches", home=fresh, VB_PARTS=str(stashed))
+    assert done.returncode == 0, done.stderr
+    assert "restored" in done.stdout and any(fresh.iterdir())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, here (PyPI reachable), what vLLM 0.26.0's MoE paths need beyond the stock bundle
-# (shared/device/build_vllm_bundle.sh leaves these out), as parts of PART_MIB (default 38)
+# (shared/device/build_vllm_bundle.sh leaves these out), as parts of PART_MIB (default 34)
 # MiB that travel one per device call beside the tree (tools/device/moe_bundle.sh stashes and
 # installs them there):
 #   qwen3  vllm/_moe_C_stable_libtorch.abi3.so (xz): the fused MoE path's routing and
@@ -44,7 +44,7 @@ if [ "$set_name" = dsv4 ]; then
 fi
 parts=$out/$set_name
 rm -rf "$parts" && mkdir -p "$parts/stream"
-tar -C "$tmp/stage" -cf - moe | split -b "${PART_MIB:-38}M" -d -a 2 - "$parts/stream/chunk"
+tar -C "$tmp/stage" -cf - moe | split -b "${PART_MIB:-34}M" -d -a 2 - "$parts/stream/chunk"
 for chunk in "$parts"/stream/chunk*; do
   n=${chunk##*chunk}; mkdir -p "$parts/part$n"; mv "$chunk" "$parts/part$n/"
 done

@@ -6,7 +6,7 @@
 #   there:  bash tools/device/bundle.sh stash PARTS/partNN    # one call per part (carry it)
 #   there:  . tools/device/bundle.sh install                  # once all parts are stashed
 #   there:  bash tools/device/bundle.sh save-caches NAME      # into $OUT: NAME_caches.tar.gz.N
-# A part travels as one carried folder of PART_MIB (default 38) MiB: a call carries 64 MiB,
+# A part travels as one carried folder of PART_MIB (default 34) MiB: a call carries 64 MiB,
 # the tree (~24 MiB) included; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
 # the wheel folder from them and installs vLLM under /tmp/vsite, then sets PYTHONPATH.
@@ -16,7 +16,7 @@
 # A fresh machine compiles every kernel again: Triton's, torch.compile's per engine
 # configuration (about 40 s an engine) and, for DeepSeek-V4, DeepGEMM's and tilelang's
 # (about 14 minutes). `save-caches` packs what this machine compiled (finished kernels
-# only) as pieces under 16 MiB; keep them here and stash them like parts, at most 38 MiB a
+# only) as pieces under 16 MiB; keep them here and stash them like parts, at most 34 MiB a
 # call (`stash` takes chunks and caches alike); `install` unpacks each archive whose pieces
 # are all stashed into $HOME once. Kernels are compiled for SM90: an H100 or H200 alike.
 set -u
@@ -24,13 +24,19 @@ cmd=${1:?usage: bundle.sh split|stash|install|save-caches|restore-caches ...}
 caches=(.triton/cache .cache/vllm/torch_compile_cache .cache/vllm/deep_gemm/cache .tilelang)  # under $HOME
 stashed=${VB_PARTS:-/opt/vb/parts}
 
-# Unpack into $HOME each stashed cache archive whose pieces are all here, once.
+# A cache archive committed here travels with the tree (only committed files outlive a
+# checkout): keep the small ones a later session needs, such as DeepGEMM's kernels.
+committed=${BASH_SOURCE[0]%/*}/caches
+
+# Unpack into $HOME each cache archive, stashed or committed, whose pieces are all here, once.
 restore_caches() {
   local archive
-  for archive in $(ls "$stashed"/*_caches.tar.gz* 2>/dev/null | sed 's/\.gz\..*$/.gz/' | sort -u); do
-    [ ! -f "$archive.restored" ] || continue
+  for archive in $(ls "$stashed"/*_caches.tar.gz* "$committed"/*_caches.tar.gz* 2>/dev/null \
+      | grep -v '\.restored$' | sed 's/\.gz\..*$/.gz/' | sort -u); do
+    [ ! -f "$stashed/${archive##*/}.restored" ] || continue
     if cat "$archive"* | gzip -t 2>/dev/null; then  # reads the whole archive: a piece missing fails
-      cat "$archive"* | tar -C "$HOME" -xzf - && touch "$archive.restored" && echo "restored ${archive##*/}"
+      mkdir -p "$stashed" && cat "$archive"* | tar -C "$HOME" -xzf - \
+        && touch "$stashed/${archive##*/}.restored" && echo "restored ${archive##*/}"
     else
       echo "bundle.sh: ${archive##*/} is not whole yet (stash its other pieces); not restored" >&2
     fi
@@ -44,8 +50,8 @@ case "$cmd" in
       xw=($(cd "$xwhl" && ls *.whl)) || exit 1
       xw=(-C "$(cd "$xwhl" && pwd)" --transform 's,^[^/]*\.whl$,xwhl/&,' "${xw[@]}")
     fi
-    rm -rf "$parts" && mkdir -p "$parts/stream"
-    tar -C "$bundle" -cf - p1/vllm_C.so.xz p2 "${xw[@]}" | split -b "${PART_MIB:-38}M" -d -a 2 - "$parts/stream/chunk"
+    rm -rf "$parts"/part* "$parts/stream" && mkdir -p "$parts/stream"
+    tar -C "$bundle" -cf - p1/vllm_C.so.xz p2 "${xw[@]}" | split -b "${PART_MIB:-34}M" -d -a 2 - "$parts/stream/chunk"
     for chunk in "$parts"/stream/chunk*; do
       n=${chunk##*chunk}; mkdir -p "$parts/part$n"; mv "$chunk" "$parts/part$n/"
     done
