@@ -788,17 +788,18 @@ def test_served_at_saturation_no_admission_beats_the_best_fixed_k_by_five_percen
 # Served at saturation: the step's time outside the curve at 256 requests, O + a R (the
 # context K/V read most of it), and b per verified draft.
 SERVED_OUTSIDE_S, SERVED_PER_DRAFT_S = 2e-3 + 16e-3, 2e-6
+SERVED_LOAD, SERVED_PROMPTS_PER_TOKEN, SERVED_STEPS = 256, 2.0, 40 * WINDOW_STEPS
 
 
 def served_saturation(plugin_speculator, given_overhead_ms: float | None):
     """The real control path (plan_step, admission, the step-time fit, depth and gate) over
     served steps at 256 requests whose prompts follow the tokens emitted. Returns sps's
-    and fixed k=7's expected tokens per second and sps's drafts verified per request over
-    the settled second half, and the step overhead. ``given_overhead_ms``: sps told that O
-    (not measuring), else ``auto``."""
+    expected tokens per second and drafts verified per request over the settled second
+    half, fixed k's (1, 2, 3, 7) on the same costs, and the step overhead.
+    ``given_overhead_ms``: sps told that O (not measuring), else ``auto``."""
     from test_step_overhead import plan_served_step
 
-    load, prompts_per_token, steps = 256, 2.0, 40 * WINDOW_STEPS
+    load, steps = SERVED_LOAD, SERVED_STEPS
     options = {"dspark_capacity": "sps", "dspark_sps_curve": profiled_curve()}
     if given_overhead_ms is not None:
         options["dspark_step_overhead_ms"] = given_overhead_ms
@@ -812,11 +813,6 @@ def served_saturation(plugin_speculator, given_overhead_ms: float | None):
     survivals = synthetic_survivals(load, steps)
     slots, req_ids = torch.arange(load), [f"r{i}" for i in range(load)]
 
-    def step_seconds(drafts: int, prompt_tokens: int, depth: int) -> float:
-        forward = controller._forward_seconds(load + drafts + prompt_tokens)
-        draft_s = DRAFT_MS[load][depth - 1] / 1e3 if depth else 0.0
-        return forward + draft_s + SERVED_OUTSIDE_S + SERVED_PER_DRAFT_S * drafts
-
     survival, prompt_tokens, depth = survivals(0), 0, K
     tokens = seconds = 0.0
     admitted = []
@@ -829,12 +825,12 @@ def served_saturation(plugin_speculator, given_overhead_ms: float | None):
             else:
                 capacity = controller.admit_step(req_ids, slots, budget, None, True, True)
             emitted += float(survival[torch.arange(K) < capacity[:, None]].sum())
-        period = step_seconds(budget, prompt_tokens, depth)
+        period = served_step_seconds(controller._forward_seconds, budget, prompt_tokens, depth)
         clock.now += period
         if step >= steps // 2:
             admitted.append(budget / load if depth else 0.0)
             tokens, seconds = tokens + emitted, seconds + period
-        prompt_tokens = round(prompts_per_token * emitted)
+        prompt_tokens = round(SERVED_PROMPTS_PER_TOKEN * emitted)
         controller._observe_step_time(load + 4)
         controller._use_depth(controller.proposal_depth(load))
         drafting = controller._plan_drafting(load, controller.draft_depth)
@@ -854,35 +850,27 @@ def served_saturation(plugin_speculator, given_overhead_ms: float | None):
     )
 
 
-SERVED_LOAD, SERVED_PROMPTS_PER_TOKEN, SERVED_STEPS = 256, 2.0, 40 * WINDOW_STEPS
-
-
-def served_step_seconds(forward, drafts: int, emitted: float, depth: int) -> float:
-    """A served step at saturation in its steady state: ``forward`` (the controller's curve)
-    at its requests, drafts and prompts (two for each token emitted, as each finished
-    request lets the next one in), the drafter at ``depth`` (0: none), and what lies outside
-    the curve."""
-    tokens = SERVED_LOAD + drafts + round(SERVED_PROMPTS_PER_TOKEN * emitted)
+def served_step_seconds(forward, drafts: int, prompt_tokens: int, depth: int) -> float:
+    """A served step at saturation: ``forward`` (the controller's curve) at its requests,
+    drafts and prompts, the drafter at ``depth`` (0: none), and what lies outside the
+    curve."""
     draft_s = DRAFT_MS[SERVED_LOAD][depth - 1] / 1e3 if depth else 0.0
-    return forward(tokens) + draft_s + SERVED_OUTSIDE_S + SERVED_PER_DRAFT_S * drafts
+    forward_s = forward(SERVED_LOAD + drafts + prompt_tokens)
+    return forward_s + draft_s + SERVED_OUTSIDE_S + SERVED_PER_DRAFT_S * drafts
 
 
 def fixed_served_rate(forward, k: int) -> float:
-    """Fixed k (a drafter of depth k) in its own steady state: tokens per second."""
-    survivals = synthetic_survivals(SERVED_LOAD, SERVED_STEPS)
-    tokens = seconds = 0.0
-    for step in range(SERVED_STEPS // 2, SERVED_STEPS):
-        emitted = SERVED_LOAD + float(survivals(step)[:, :k].sum())
-        tokens += emitted
-        seconds += served_step_seconds(forward, SERVED_LOAD * k, emitted, k)
-    return tokens / seconds
+    """Fixed k (a drafter of depth k) in its own steady state: tokens per second; every
+    draft of its k positions admitted."""
+    return budget_served_rate(forward, SERVED_LOAD * k, k)
 
 
 def budget_served_rate(forward, budget: int, depth_cap: int) -> float:
     """Each step admits the ``budget`` drafts of highest survival among the first
     ``depth_cap`` positions (an oracle on the step's own calibrated confidence; survival
     falls along a request's drafts, so each request gets a prefix) and drafts as deep as
-    the deepest admitted: tokens per second."""
+    the deepest admitted, in its own steady state (two prompt tokens for each token
+    emitted, as each finished request lets the next one in): tokens per second."""
     survivals = synthetic_survivals(SERVED_LOAD, SERVED_STEPS)
     tokens = seconds = 0.0
     for step in range(SERVED_STEPS // 2, SERVED_STEPS):
@@ -893,5 +881,6 @@ def budget_served_rate(forward, budget: int, depth_cap: int) -> float:
         emitted = SERVED_LOAD + float(survival[admitted].sum())
         depth = int(admitted.sum(dim=1).max())
         tokens += emitted
-        seconds += served_step_seconds(forward, budget, emitted, depth)
+        prompt_tokens = round(SERVED_PROMPTS_PER_TOKEN * emitted)
+        seconds += served_step_seconds(forward, budget, prompt_tokens, depth)
     return tokens / seconds
