@@ -160,10 +160,6 @@ vllm_moe_env() {
 }
 vllm_dsv4_env() {
   vllm_moe_env
-  # DeepGEMM compiles its kernels in process with NVRTC, not one nvcc run per kernel: the
-  # first tiny-dsv4 engine spent about half of its 14 minutes compiling. Every DeepSeek-V4
-  # stage compiles the same way, so the caches saved from one hit in the next.
-  export DG_JIT_USE_NVRTC=${DG_JIT_USE_NVRTC:-1}
   python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
 import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
     || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
