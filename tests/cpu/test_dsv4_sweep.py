@@ -24,7 +24,7 @@ import offline_sweep  # noqa: E402
 from vllm_dspark.config import DSparkOptions  # noqa: E402
 
 DSV4_ARMS = "nospec,dspark,sps-masked,acceptance-masked"
-STAGE_ARMS = "nospec,dspark,sps-masked,sps"  # gpu_stage.sh's dsv4 stage
+STAGE_ARMS = "nospec,sps-masked,sps,dspark"  # gpu_stage.sh's dsv4 stage
 
 
 class FakeEngine:
@@ -202,7 +202,7 @@ def test_a_dsv4_shared_engine_with_compact_arms_starts_compact_without_depth_gra
     rows = sweep(
         monkeypatch, tmp_path, "--pair", "tiny-dsv4", "--arms", STAGE_ARMS, "--shared-engine"
     )
-    shared = fake_popen.specs[-1]
+    shared = fake_popen.specs[1]  # the capacity engine starts second, as its first arm stands
     assert (
         shared["options"]
         == COMPACT_START
@@ -250,7 +250,8 @@ def test_a_dsv4_engine_builds_the_config_vllm_serves(
         monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the engine sets it
     folder = offline_sweep.write_deepseek_v4_shape("tiny-dsv4", tmp_path)
-    start, switch = offline_sweep.shared_engine_plan(arms.split(",")[2:], None, deepseek_v4=True)
+    capacity_arms = [arm for arm in arms.split(",") if arm not in ("nospec", "dspark")]
+    start, switch = offline_sweep.shared_engine_plan(capacity_arms, None, deepseek_v4=True)
     spec = {
         "target": folder,
         "draft": None,
@@ -556,11 +557,11 @@ def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
     engines = fake_engines(monkeypatch)  # after the stage's own processes
     sweep(monkeypatch, tmp_path, *args)
     assert engines.specs[0]["target"].endswith("dsv4-flash-reduced")
-    assert [spec["options"] for spec in engines.specs][:2] == [None, {}]
-    assert engines.specs[0]["concurrency"] == [1, 16, 64, 256]
-    (shared,) = engines.specs[2:]  # sps masked and compacted
+    nospec, shared, stock = engines.specs  # #59's ratios come from the first two engines
+    assert nospec["options"] is None and stock["options"] == {}
+    assert nospec["concurrency"] == [1, 16, 64, 256]
     assert shared["options"] == {"dspark_capacity": "sps", "dspark_varlen_verify": True}
-    assert [name for name, _ in shared["switch"]] == STAGE_ARMS.split(",")[2:]
+    assert [name for name, _ in shared["switch"]] == ["sps-masked", "sps"]
 
 
 def test_segment_sync_names_the_breakable_graph_segment_that_faults(monkeypatch):

@@ -131,15 +131,15 @@
 #            not draft")
 #   dsv4     throughput on the dsv4-flash-reduced shape (48.7 GB of dummy weights, one
 #            80 GB GPU), vLLM's uniform random routing, calibrated synthetic confidence:
-#            no speculation, stock DSpark k=7, sps verified masked and compacted (one
-#            shared engine), graphs to 2,048 tokens, at 1, 16, 64, 256 requests, each arm's
+#            no speculation, sps verified masked and compacted (one shared engine, second:
+#            #59's ratios need no third start), then stock DSpark k=7, graphs to 2,048
+#            tokens, at 1, 16, 64, 256 requests, each arm's
 #            greedy outputs checked against no speculation's (--greedy-check); rows
 #            {shape, arm, verify, concurrency, tok_s, greedy_identical, ...} in
 #            deepseek_v4.json. Untimed so far: run it from the queue. Third, fourth and
 #            fifth arguments: other arms, other concurrencies, a CUDA-graph mode (e.g.
 #            FULL_DECODE_ONLY) or "breakable" (as dsv4-lossless's); sixth: another shape
-#            (tiny-dsv4, whose kernels the JIT caches hold: a first check of the sweep's
-#            DeepSeek-V4 path in minutes)
+#            (tiny-dsv4: a first check of the sweep's DeepSeek-V4 path)
 # MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
 # qwen3 for the Qwen3 MoE stages, dsv4 for the DeepSeek-V4 ones).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -465,7 +465,7 @@ case "$stage" in
     # balanced random routing instead, which changes no output (the experts are zero).
     export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random
     timeout 3600 python3 benchmarks/offline_sweep.py --pair "${6:-dsv4-flash-reduced}" --acceptance confidence \
-      --arms "${3:-nospec,dspark,sps-masked,sps}" --shared-engine \
+      --arms "${3:-nospec,sps-masked,sps,dspark}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
       ${graph_mode:+--cudagraph-mode "$graph_mode"} --out "$OUT/deepseek_v4.json" 2>&1 \
       | quiet | tee "$OUT/deepseek_v4.log" | tail -30
