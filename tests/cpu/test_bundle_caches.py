@@ -44,6 +44,27 @@ def test_save_caches_packs_finished_kernels_only(tmp_path):
     assert not any("deep_gemm/tmp" in name for name in names)
 
 
+def test_save_caches_can_keep_only_the_named_caches(tmp_path):
+    """DeepGEMM's and tilelang's kernels alone: an archive small enough to commit."""
+    home, out = tmp_path / "home", tmp_path / "out"
+    kernel = home / ".cache/vllm/deep_gemm/cache/kernel.sm90_gemm.abc/kernel.cubin"
+    tilelang = home / ".tilelang/cache/mhc/kernel.so"
+    triton = home / ".triton/cache/xyz/kernel.cubin"
+    for path in (kernel, tilelang, triton):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"sm90")
+    out.mkdir()
+    done = bundle("save-caches", "dsv4", "deep_gemm", "tilelang", home=home, OUT=str(out))
+    assert done.returncode == 0, done.stderr
+    joined = b"".join(piece.read_bytes() for piece in sorted(out.glob("dsv4_caches.tar.gz.*")))
+    with tarfile.open(fileobj=io.BytesIO(joined)) as archive:
+        names = set(archive.getnames())
+    assert {str(kernel.relative_to(home)), str(tilelang.relative_to(home))} <= names
+    assert not any(name.startswith(".triton") for name in names)
+    wrong = bundle("save-caches", "dsv4", "deepgemm", home=home, OUT=str(tmp_path))
+    assert wrong.returncode != 0 and "deep_gemm" in wrong.stderr
+
+
 def test_save_caches_needs_a_name(tmp_path):
     done = bundle("save-caches", home=tmp_path, OUT=str(tmp_path))
     assert done.returncode != 0 and not list(tmp_path.glob("*_caches*"))

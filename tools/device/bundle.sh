@@ -5,7 +5,7 @@
 #   here:   bash tools/device/bundle.sh split BUNDLE PARTS [XWHL]  # after shared/device/build_vllm_bundle.sh
 #   there:  bash tools/device/bundle.sh stash PARTS/partNN    # one call per part (carry it)
 #   there:  . tools/device/bundle.sh install                  # once all parts are stashed
-#   there:  bash tools/device/bundle.sh save-caches NAME      # into $OUT: NAME_caches.tar.gz.N
+#   there:  bash tools/device/bundle.sh save-caches NAME [CACHE...]  # into $OUT: NAME_caches.tar.gz.N
 # A part travels as one carried folder of PART_MIB (default 34) MiB: a call carries 64 MiB,
 # the tree (~24 MiB) included; the machine keeps stashed parts
 # in /opt/vb/parts while it stays warm. `install` rebuilds the bundle's two archives and
@@ -16,12 +16,15 @@
 # A fresh machine compiles every kernel again: Triton's, torch.compile's per engine
 # configuration (about 40 s an engine) and, for DeepSeek-V4, DeepGEMM's and tilelang's
 # (about 14 minutes). `save-caches` packs what this machine compiled (finished kernels
-# only) as pieces under 16 MiB; keep them here and stash them like parts, at most 34 MiB a
+# only; CACHE names some of triton, torch_compile, deep_gemm, tilelang: by default all,
+# `deep_gemm tilelang` for an archive small enough to commit) as pieces under 16 MiB;
+# keep them here and stash them like parts, at most 34 MiB a
 # call (`stash` takes chunks and caches alike); `install` unpacks each archive whose pieces
 # are all stashed into $HOME once. Kernels are compiled for SM90: an H100 or H200 alike.
 set -u
 cmd=${1:?usage: bundle.sh split|stash|install|save-caches|restore-caches ...}
-caches=(.triton/cache .cache/vllm/torch_compile_cache .cache/vllm/deep_gemm/cache .tilelang)  # under $HOME
+declare -A cache_dirs=([triton]=.triton/cache [torch_compile]=.cache/vllm/torch_compile_cache
+  [deep_gemm]=.cache/vllm/deep_gemm/cache [tilelang]=.tilelang)  # under $HOME
 stashed=${VB_PARTS:-/opt/vb/parts}
 
 # A cache archive committed here travels with the tree (only committed files outlive a
@@ -65,9 +68,15 @@ case "$cmd" in
     mkdir -p "$stashed" && cp $files "$stashed"/ && ls "$stashed"
     ;;
   save-caches)
-    name=${2:?name, e.g. dense or dsv4}
+    name=${2:?name, e.g. dense or dsv4}; shift 2
+    [ $# -gt 0 ] || set -- "${!cache_dirs[@]}"
+    dirs=()
+    for cache in "$@"; do
+      [ -n "${cache_dirs[$cache]:-}" ] || { echo "bundle.sh: no cache $cache (${!cache_dirs[*]})" >&2; exit 2; }
+      dirs+=("${cache_dirs[$cache]}")
+    done
     # pieces of 15 MiB: a file comes back from $OUT only under 16 MiB
-    (cd "$HOME" && ls -d "${caches[@]}" 2>/dev/null | tar -czf - -T -) \
+    (cd "$HOME" && ls -d "${dirs[@]}" 2>/dev/null | tar -czf - -T -) \
       | split -b 15M -d -a 1 - "$OUT/${name}_caches.tar.gz." && ls -la "$OUT"
     ;;
   restore-caches) restore_caches ;;
