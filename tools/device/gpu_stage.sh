@@ -160,9 +160,20 @@ vllm_moe_env() {
 }
 vllm_dsv4_env() {
   vllm_moe_env
+  watch_compiles
   python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
 import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
     || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
+}
+watch_compiles() {
+  # Every 15 s while the stage runs: the kernels in each JIT cache and the compiler
+  # processes, so that a first engine's start-up splits into what it compiled and when.
+  while sleep 15; do
+    echo "$(date +%T) deep_gemm=$(ls ~/.cache/vllm/deep_gemm/cache 2>/dev/null | wc -l)" \
+      "tilelang=$(ls ~/.tilelang/cache 2>/dev/null | wc -l)" \
+      "triton=$(ls ~/.triton/cache 2>/dev/null | wc -l) compilers=$(pgrep -c 'nvcc|cicc|ptxas')"
+  done >> "$OUT/compile_watch.log" 2>&1 &  # nothing of the stage's pipes is held
+  trap "kill $! 2>/dev/null" EXIT
 }
 dsv4_graphs() {
   # How DeepSeek-V4 engines capture graphs: "breakable" turns vLLM's breakable CUDA graphs
