@@ -18,9 +18,9 @@
 # (about 14 minutes). `save-caches` packs what this machine compiled (finished kernels
 # only; CACHE names some of triton, torch_compile, deep_gemm, tilelang: by default all,
 # `deep_gemm tilelang` for an archive small enough to commit) as pieces under 16 MiB;
-# keep them here and stash them like parts, at most 34 MiB a
-# call (`stash` takes chunks and caches alike); `install` unpacks each archive whose pieces
-# are all stashed into $HOME once. Kernels are compiled for SM90: an H100 or H200 alike.
+# keep them here and stash them like parts, at most 34 MiB a call (`stash` takes chunks
+# and caches alike); `install` unpacks each archive whose pieces are all stashed into
+# $HOME once. Kernels are compiled for SM90: an H100 or H200 alike.
 set -u
 cmd=${1:?usage: bundle.sh split|stash|install|save-caches|restore-caches ...}
 declare -A cache_dirs=([triton]=.triton/cache [torch_compile]=.cache/vllm/torch_compile_cache

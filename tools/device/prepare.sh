@@ -23,4 +23,4 @@ fi
 for set_name in "$@"; do
   [ -d ".moe-bundle/$set_name/part00" ] || bash tools/device/build_moe_bundle.sh "$set_name"
 done
-ls -d .parts/part* .parts/caches-* .moe-bundle/*/part* .moe-bundle/dsv4-jit 2>/dev/null || true
+ls -d .parts/part* .moe-bundle/*/part* 2>/dev/null || true
