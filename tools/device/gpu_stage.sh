@@ -161,6 +161,9 @@ vllm_moe_env() {
 vllm_dsv4_env() {
   vllm_moe_env
   watch_compiles
+  # DeepGEMM's warmup kernels compiled by 8 processes side by side, in every engine with
+  # dummy weights (vllm_dspark/bench/parallel_warmup.py); 0 compiles them one at a time.
+  export DSPARK_DEEP_GEMM_WARMUP_WORKERS=${DSPARK_DEEP_GEMM_WARMUP_WORKERS:-8}
   python3 -c "from vllm.utils.import_utils import has_deep_gemm, has_tilelang
 import sys; sys.exit(not (has_deep_gemm() and has_tilelang()))" \
     || { echo "$stage: no DeepGEMM or tilelang: stash the MoE bundle's dsv4 set" >&2; exit 1; }
@@ -189,8 +192,11 @@ use_recalibrated() {
   fi
 }
 # Line-buffered, so that a stage's log under $OUT shows how far it got when it is cut.
-# The engine core's own INFO/WARNING/DEBUG lines go too; its errors and tracebacks stay.
-quiet() { grep --line-buffered -v "^INFO\|^WARNING\|^(EngineCore[^)]*) \(INFO\|WARNING\|DEBUG\)\|^\[" ; }
+# The engine core's own INFO/WARNING/DEBUG lines go too; its errors and tracebacks stay,
+# and so do the plugin's own lines ("vllm-dspark: ...").
+quiet() {
+  grep --line-buffered -v -P '^(?!.*vllm-dspark:)(INFO|WARNING|\(EngineCore[^)]*\) (INFO|WARNING|DEBUG)|\[)'
+}
 case "$stage" in
   kernels)
     vllm_env  # the confidence kernel's test builds the plugin's head (pydantic, vLLM)

@@ -10,7 +10,8 @@ load as before.
 How: name :class:`DummyWeightsExtension` as the engine's ``worker_extension_cls`` (vLLM
 imports it in every worker before the model loads); benchmark drivers do this for dummy
 weights. vLLM takes one extension class, so it also carries
-:class:`~vllm_dspark.metrics.ServedCounters`' calls.
+:class:`~vllm_dspark.metrics.ServedCounters`' calls and applies
+:mod:`.parallel_warmup` (inert unless its variable is set).
 Upstream: none (vLLM's dummy loader runs no model finalizers).
 Remove when: vLLM's dummy loader finishes DeepSeek-V4's weights itself.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
+from vllm_dspark.bench import parallel_warmup
 from vllm_dspark.metrics import ServedCounters
 from vllm_dspark.patches.wrapping import wrap
 
@@ -42,6 +44,7 @@ def _make_wrapper(load_weights):
 
 def apply() -> None:
     wrap(DummyModelLoader, "load_weights", _make_wrapper)
+    parallel_warmup.apply()
 
 
 apply()

@@ -83,6 +83,12 @@ PATCHES = (
         False,
         "benchmarks only: finishes a dummy DeepSeek-V4 target's weights (worker extension)",
     ),
+    Patch(
+        "vllm_dspark.bench.parallel_warmup",
+        "worker",
+        False,
+        "benchmarks only: compiles DeepGEMM's warmup kernels in parallel processes",
+    ),
 )
 
 
