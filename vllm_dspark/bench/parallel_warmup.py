@@ -33,8 +33,9 @@ from vllm_dspark.patches.wrapping import wrap
 
 WORKERS_ENV = "DSPARK_DEEP_GEMM_WARMUP_WORKERS"
 WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
-# Longer than any cold compile seen; the stock warmup compiles what a worker left.
-WORKER_TIMEOUT_S = 1800
+# Far longer than a share should take: a stuck worker is killed and the stock warmup
+# compiles what it left.
+WORKER_TIMEOUT_S = 600
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -162,7 +163,7 @@ def main(share_path: str) -> None:
     jobs = json.loads(Path(share_path).read_text())
     calls = run_jobs(jobs, fp8_gemm_nt, torch.device("cuda"))
     torch.cuda.synchronize()
-    print(f"{share_path}: {calls} DeepGEMM calls made", flush=True)
+    print(f"vllm-dspark: {share_path}: {calls} DeepGEMM calls made", flush=True)
 
 
 if __name__ == "__main__":
