@@ -100,7 +100,7 @@ def test_inert_unless_the_variable_is_set(stock, monkeypatch):
     monkeypatch.setattr(
         parallel_warmup,
         "compile_in_parallel",
-        lambda jobs, workers: compiled.append(workers) or [0],
+        lambda jobs, workers, device: compiled.append(workers) or [0],
     )
     monkeypatch.delenv(parallel_warmup.WORKERS_ENV, raising=False)
     wrapper(model, 64)
@@ -121,6 +121,31 @@ def test_a_failed_worker_leaves_the_stock_warmup_to_compile(stock, monkeypatch):
     codes = parallel_warmup.compile_in_parallel(jobs, 2)
     assert len(codes) == 2 and all(code != 0 for code in codes)
     warmed = []
-    monkeypatch.setattr(parallel_warmup, "compile_in_parallel", lambda jobs, workers: codes)
+    monkeypatch.setattr(parallel_warmup, "compile_in_parallel", lambda *args: codes)
     parallel_warmup._make_wrapper(lambda model, max_tokens: warmed.append(max_tokens))(model, 64)
     assert warmed == [64]
+
+
+def test_tensor_parallel_ranks_split_the_shares(monkeypatch):
+    """Rank 1 of 2 runs shares 1 and 3 of 4, on its own GPU."""
+    import json
+    import subprocess
+
+    import torch.distributed as dist
+
+    started = []
+
+    class Process:
+        def __init__(self, command):
+            started.append((json.loads(open(command[-2]).read()), command[-1]))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    jobs = [{"weight": "a", "m": [1, 2, 3, 4]}]
+    assert parallel_warmup.compile_in_parallel(jobs, 4, device=1) == [0, 0]
+    assert started == [([{"weight": "a", "m": [2]}], "1"), ([{"weight": "a", "m": [4]}], "1")]

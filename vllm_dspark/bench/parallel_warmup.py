@@ -103,14 +103,20 @@ def run_jobs(jobs: list[dict], gemm, device) -> int:
     return calls
 
 
-def compile_in_parallel(jobs: list[dict], workers: int) -> list[int]:
-    """Run the jobs' shares in subprocesses (this module as a script); their exit codes."""
+def compile_in_parallel(jobs: list[dict], workers: int, device: int = 0) -> list[int]:
+    """Run this rank's shares of the jobs in subprocesses (this module as a script) on
+    GPU ``device``; their exit codes. Tensor-parallel ranks split the ``workers`` shares
+    between them: they compile the same kernels into one cache."""
+    import torch.distributed as dist
+
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     with tempfile.TemporaryDirectory(prefix="dspark_deep_gemm_") as folder:
         processes = []
-        for i, share in enumerate(split_jobs(jobs, workers)):
+        for i, share in enumerate(split_jobs(jobs, workers)[rank::ranks]):
             path = Path(folder) / f"share{i}.json"
             path.write_text(json.dumps(share))
-            processes.append(subprocess.Popen([sys.executable, "-m", __name__, str(path)]))
+            command = [sys.executable, "-m", __name__, str(path), str(device)]
+            processes.append(subprocess.Popen(command))
         codes = []
         for process in processes:
             try:
@@ -119,6 +125,12 @@ def compile_in_parallel(jobs: list[dict], workers: int) -> list[int]:
                 process.kill()
                 codes.append(process.wait())
         return codes
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def _cached_kernels() -> int:
@@ -132,7 +144,7 @@ def _make_wrapper(deep_gemm_warmup):
         jobs = gemm_jobs(model, max_tokens) if workers > 1 else []
         if jobs:
             before, start = _cached_kernels(), time.monotonic()
-            codes = compile_in_parallel(jobs, workers)
+            codes = compile_in_parallel(jobs, workers, _current_device())
             logger.info(
                 "vllm-dspark: DeepGEMM warmup of %d weight shapes in %d processes took "
                 "%.0f s (exit codes %s); DeepGEMM's cache holds %d kernels, %d before",
@@ -156,15 +168,16 @@ def apply() -> None:
     wrap(importlib.import_module(WARMUP_MODULE), "deep_gemm_warmup", _make_wrapper)
 
 
-def main(share_path: str) -> None:
+def main(share_path: str, device: str) -> None:
     import torch
     from vllm.utils.deep_gemm import fp8_gemm_nt
 
     jobs = json.loads(Path(share_path).read_text())
-    calls = run_jobs(jobs, fp8_gemm_nt, torch.device("cuda"))
+    torch.cuda.set_device(int(device))
+    calls = run_jobs(jobs, fp8_gemm_nt, torch.device("cuda", int(device)))
     torch.cuda.synchronize()
     print(f"vllm-dspark: {share_path}: {calls} DeepGEMM calls made", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
