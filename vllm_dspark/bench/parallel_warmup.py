@@ -9,7 +9,9 @@ finds each kernel in DeepGEMM's cache.
 Why: DeepGEMM compiles each kernel with ``nvcc`` on first use, one at a time, and a cold
 DeepSeek-V4 engine spends most of its start-up doing so (docs/design/deepseek-v4.md).
 The processes compile side by side into the one cache (``DG_JIT_CACHE_DIR``), where
-DeepGEMM renames each finished kernel into place, as tensor-parallel ranks rely on.
+DeepGEMM renames each finished kernel into place, as tensor-parallel ranks rely on. They
+start no earlier than the warmup, once the KV cache is sized, so that their GPU memory
+changes no engine's KV cache.
 How: benchmarks only; :mod:`.dummy_weights` (the dummy-weight engines' worker extension)
 applies it, and it stays inert unless the variable is above 1. A worker that fails costs
 only its time: the stock warmup compiles whatever is missing.
