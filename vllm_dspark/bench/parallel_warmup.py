@@ -21,6 +21,7 @@ Remove when: vLLM or DeepGEMM compiles a warmup's kernels in parallel.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -165,8 +166,6 @@ def _make_wrapper(deep_gemm_warmup):
 def apply() -> None:
     """Wrap the warmup where ``kernel_warmup`` calls it (inert while the variable is
     unset: the wrapper reads it at each start-up)."""
-    import importlib
-
     wrap(importlib.import_module(WARMUP_MODULE), "deep_gemm_warmup", _make_wrapper)
 
 
