@@ -69,7 +69,7 @@ def test_workers_make_the_stock_calls(stock):
         calls.append((activations, weights, out))
 
     jobs = parallel_warmup.gemm_jobs(model, max_tokens=64)
-    assert parallel_warmup.run_jobs(jobs, gemm, torch.device("cpu")) == 6
+    assert parallel_warmup.run_jobs(jobs, gemm, torch.device("cpu"), block=128) == 6
     (a, a_scale), (w, w_scale), out = calls[2]  # the first weight at 64 tokens
     linear = model[0]
     assert (a.shape, a.dtype, a_scale.shape, a_scale.dtype) == (
@@ -149,3 +149,31 @@ def test_tensor_parallel_ranks_split_the_shares(monkeypatch):
     jobs = [{"weight": "a", "m": [1, 2, 3, 4]}]
     assert parallel_warmup.compile_in_parallel(jobs, 4, device=1) == [0, 0]
     assert started == [([{"weight": "a", "m": [2]}], "1"), ([{"weight": "a", "m": [4]}], "1")]
+
+
+def test_workers_still_running_at_the_deadline_are_killed(monkeypatch):
+    """One deadline for all the workers, not one per worker waited on in turn."""
+    import subprocess
+    import time
+
+    killed = []
+
+    class Stuck:
+        def __init__(self, command):
+            pass
+
+        def wait(self, timeout=None):
+            if timeout is None:
+                return -9
+            time.sleep(timeout)
+            raise subprocess.TimeoutExpired("worker", timeout)
+
+        def kill(self):
+            killed.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Stuck)
+    monkeypatch.setattr(parallel_warmup, "WORKER_TIMEOUT_S", 0.3)
+    start = time.monotonic()
+    jobs = [{"weight": "a", "m": [1, 2, 3]}]
+    assert parallel_warmup.compile_in_parallel(jobs, 3) == [-9, -9, -9]
+    assert len(killed) == 3 and time.monotonic() - start < 0.6

@@ -36,8 +36,8 @@ from vllm_dspark.patches.wrapping import wrap
 
 WORKERS_ENV = "DSPARK_DEEP_GEMM_WARMUP_WORKERS"
 WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
-# Far longer than a share should take: a stuck worker is killed and the stock warmup
-# compiles what it left.
+# Far longer than a share should take: workers still running then are killed and the
+# stock warmup compiles what they left.
 WORKER_TIMEOUT_S = 600
 
 logger = init_logger(f"vllm.{__name__}")
@@ -84,9 +84,11 @@ def split_jobs(jobs: list[dict], workers: int) -> list[list[dict]]:
     return [share for share in shares if share]
 
 
-def run_jobs(jobs: list[dict], gemm, device) -> int:
+def run_jobs(jobs: list[dict], gemm, device, block: int) -> int:
     """Make each job's GEMMs as the stock warmup makes them: activations of M tokens (FP8,
-    float32 scales per 128 columns) times the weight, into bfloat16. Returns the count."""
+    float32 scales per ``block`` columns) times the weight, into bfloat16. Returns the
+    count. Tensors are sized to each call, not to the largest as stock's are, so that a
+    worker holds little GPU memory beside the engine."""
     import torch
 
     def empty(layout: dict):
@@ -99,7 +101,7 @@ def run_jobs(jobs: list[dict], gemm, device) -> int:
         n, k = job["weight"]["shape"]
         for m in job["m"]:
             activations = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device)
-            activation_scales = torch.empty((m, k // 128), dtype=torch.float32, device=device)
+            activation_scales = torch.empty((m, k // block), dtype=torch.float32, device=device)
             out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
             gemm((activations, activation_scales), (weight, scale), out)
             calls += 1
@@ -120,10 +122,10 @@ def compile_in_parallel(jobs: list[dict], workers: int, device: int = 0) -> list
             path.write_text(json.dumps(share))
             command = [sys.executable, "-m", __name__, str(path), str(device)]
             processes.append(subprocess.Popen(command))
-        codes = []
+        deadline, codes = time.monotonic() + WORKER_TIMEOUT_S, []
         for process in processes:
             try:
-                codes.append(process.wait(timeout=WORKER_TIMEOUT_S))
+                codes.append(process.wait(timeout=max(deadline - time.monotonic(), 0)))
             except subprocess.TimeoutExpired:
                 process.kill()
                 codes.append(process.wait())
@@ -171,11 +173,12 @@ def apply() -> None:
 
 def main(share_path: str, device: str) -> None:
     import torch
-    from vllm.utils.deep_gemm import fp8_gemm_nt
+    from vllm.utils.deep_gemm import fp8_gemm_nt, get_mk_alignment_for_contiguous_layout
 
     jobs = json.loads(Path(share_path).read_text())
     torch.cuda.set_device(int(device))
-    calls = run_jobs(jobs, fp8_gemm_nt, torch.device("cuda", int(device)))
+    block = get_mk_alignment_for_contiguous_layout()[0]  # the stock warmup's scale block
+    calls = run_jobs(jobs, fp8_gemm_nt, torch.device("cuda", int(device)), block)
     torch.cuda.synchronize()
     print(f"vllm-dspark: {share_path}: {calls} DeepGEMM calls made", flush=True)
 
