@@ -33,7 +33,10 @@ for the requests whose outputs were not.
 switch (the method and drafter options such as FP8 layers agreeing) in one engine,
 started with what they all need and switched between arms
 (:mod:`vllm_dspark.bench.engine_control`); their rows name that engine. ``--mirror`` runs them
-again in reverse order, each row numbered by its ``pass``. ``--lockstep`` starts every
+again in reverse order, each row numbered by its ``pass``; ``--interleave`` instead takes
+their timed repeats in turn (repeat r of every arm before repeat r + 1 of any), each row
+adding ``paired``, its median ratio to the engine's other arms over repeats of the same
+index: what tells arms within 1-2% of each other apart. ``--lockstep`` starts every
 arm's engine at once and keeps them alive, each with its share of the GPU and a fixed KV
 cache, and takes their timed repeats in turn (repeat r of every arm, on the same prompts,
 before repeat r + 1 of any), so that a drift of the machine meets every arm alike; each
@@ -465,6 +468,12 @@ class Engine:
         per_wave = concurrency * self.spec.get("refill", 1)
         return per_wave, -(-self.spec["min_requests"] // per_wave)
 
+    def since(self, before: tuple) -> tuple:
+        """What the counters (:meth:`counters`) counted since ``before``."""
+        after = self.counters()
+        per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
+        return (*(a - b for a, b in zip(after[:4], before[:4], strict=True)), per_rank)
+
     def begin(self, concurrency: int) -> tuple:
         """Before a concurrency's repeats: a short warm-up at that batch size (a batch size
         not run before can compile kernels, Triton specialising on sizes, which the short
@@ -488,18 +497,15 @@ class Engine:
             tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
         return round(tokens / seconds, 1)
 
-    def row(self, concurrency: int, tok_s: list[float], before: tuple) -> dict:
-        """A concurrency's row after its repeats (``tok_s``), counters since ``before``;
-        then the first repeat's first wave once more, untimed and outside the counters,
-        step by step: as the front end receives them and, with speculation, what capacity
-        control decided in each decode step."""
+    def row(self, concurrency: int, tok_s: list[float], counted: tuple) -> dict:
+        """A concurrency's row after its repeats (``tok_s``), with what the counters counted
+        over them (:meth:`since`); then the first repeat's first wave once more, untimed
+        and outside the counters, step by step: as the front end receives them and, with
+        speculation, what capacity control decided in each decode step."""
         from vllm_dspark.bench.engine_control import trace_steps
         from vllm_dspark.metrics import gate_inputs
 
-        after = self.counters()
-        counts = after[0] - before[0]
-        steps, firsts, first_seconds = (a - b for a, b in zip(after[1:4], before[1:4], strict=True))
-        per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
+        counts, steps, firsts, first_seconds, per_rank = counted
         admitted = per_rank[0]
         per_wave, waves = self.per_wave(concurrency)
         if self.speculating:
@@ -563,6 +569,12 @@ class Engine:
         return [list(out.outputs[0].token_ids) for out in outputs]
 
 
+def add_counted(first: tuple, second: tuple) -> tuple:
+    """Two runs' counts (:meth:`Engine.since`) together: an arm's interleaved repeats."""
+    per_rank = [a + b for a, b in zip(first[4], second[4], strict=True)]
+    return (*(a + b for a, b in zip(first[:4], second[:4], strict=True)), per_rank)
+
+
 def _worker_accept_by_target(worker, target: bool) -> bool:
     """Runs in the worker: verification accepts drafts as vLLM's rejection sampler does
     (``target``: greedy, the target's argmax) or, again, by the speculator's calibrated
@@ -595,6 +607,9 @@ def run_arm_here(spec: dict) -> None:
     from vllm_dspark.bench.engine_control import switch_capacity
 
     engine = Engine(spec)
+    if spec.get("interleave") and spec.get("switch"):
+        run_interleaved(engine, spec)
+        return
     # One arm, or (--shared-engine) several capacity arms switched in this engine; with
     # --mirror each twice, its rows numbered by pass.
     switch = spec.get("switch") or [[None, None]]
@@ -611,7 +626,7 @@ def run_arm_here(spec: dict) -> None:
             measuring = time.monotonic()
             before = engine.begin(concurrency)
             tok_s = [engine.timed_repeat(concurrency, r) for r in range(spec["repeats"])]
-            row = engine.row(concurrency, tok_s, before)
+            row = engine.row(concurrency, tok_s, engine.since(before))
             row["wall_s"] = round(time.monotonic() - measuring, 1)
             if mirrored:
                 row["pass"] = passes[name]
@@ -625,6 +640,59 @@ def run_arm_here(spec: dict) -> None:
                 if token_ids is not None:
                     check = {"row": index, "token_ids": token_ids}
                     print("GREEDY " + json.dumps(check), flush=True)
+
+
+def run_interleaved(engine: Engine, spec: dict) -> None:
+    """--interleave: a shared engine's arms measured in turn. At each concurrency, repeat r
+    of every arm (switched to in order on even repeats, in reverse on odd ones) before
+    repeat r + 1 of any, on the same prompts, so that a drift over the engine's life meets
+    every arm alike; each row adds ``paired``, its median ratio to every other arm of the
+    engine over repeats of the same index. Rows come by concurrency, then arm."""
+    from vllm_dspark.bench.engine_control import switch_capacity
+
+    switch, current = spec["switch"], None
+    names = [name for name, _ in switch]
+
+    def switch_to(name: str, updates: dict) -> None:
+        nonlocal current
+        if name != current:
+            switch_capacity(engine.llm, **updates)
+            engine.llm.generate(engine.prompts(8, 1), engine.params, use_tqdm=False)
+            current = name
+
+    for concurrency in spec["concurrency"]:
+        engine.begin(concurrency)
+        tok_s: dict[str, list[float]] = {name: [] for name in names}
+        counted: dict[str, tuple] = {}
+        seconds = dict.fromkeys(names, 0.0)  # each arm's share of the measurement (wall_s)
+        for repeat in range(spec["repeats"]):
+            for name, updates in switch if repeat % 2 == 0 else switch[::-1]:
+                measuring = time.monotonic()
+                switch_to(name, updates)
+                before = engine.counters()
+                tok_s[name].append(engine.timed_repeat(concurrency, repeat))
+                since = engine.since(before)
+                counted[name] = add_counted(counted[name], since) if name in counted else since
+                seconds[name] += time.monotonic() - measuring
+        for name, updates in switch:
+            measuring = time.monotonic()
+            switch_to(name, updates)
+            row = engine.row(concurrency, tok_s[name], counted[name])
+            row["paired"] = {
+                other: round(paired_ratio(tok_s[name], tok_s[other]), 4)
+                for other in names
+                if other != name
+            }
+            row["wall_s"] = round(seconds[name] + time.monotonic() - measuring, 1)
+            print("ROW " + json.dumps(row | {"arm": name}), flush=True)
+    if spec.get("greedy_check"):
+        for position, (name, updates) in enumerate(switch):
+            switch_to(name, updates)
+            for index, concurrency in enumerate(spec["concurrency"]):
+                token_ids = engine.greedy_outputs(concurrency)
+                if token_ids is not None:
+                    row = index * len(names) + position
+                    print("GREEDY " + json.dumps({"row": row, "token_ids": token_ids}), flush=True)
 
 
 def run_lockstep_here(spec: dict) -> None:
@@ -647,7 +715,8 @@ def run_lockstep_here(spec: dict) -> None:
             print(f"TIMED {tok_s}", flush=True)
         else:
             before, tok_s = measured.pop(concurrency)
-            print("ROW " + json.dumps(engine.row(concurrency, tok_s, before)), flush=True)
+            row = engine.row(concurrency, tok_s, engine.since(before))
+            print("ROW " + json.dumps(row), flush=True)
 
 
 @contextmanager
@@ -897,6 +966,14 @@ def main() -> int:
         "one request, the embedded pair's arms ran faster the later they came)",
     )
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="a shared engine takes its arms' timed repeats in turn: at each concurrency, "
+        "repeat r of every arm before repeat r + 1 of any, on the same prompts; rows add "
+        "their paired ratios to the engine's other arms (a drift over the engine's life, "
+        "or a 1%% difference, then shows in the pairs, not between whole arms)",
+    )
+    parser.add_argument(
         "--lockstep",
         action="store_true",
         help="every arm's engine started and alive at once (each with its share of the GPU "
@@ -932,6 +1009,8 @@ def main() -> int:
             "(no --shared-engine, --mirror, --bracket or --greedy-check)"
         )
 
+    if args.interleave and (not args.shared_engine or args.mirror):
+        parser.error("--interleave: the arms of a shared engine (--shared-engine, no --mirror)")
     check_num_drafts(parser, args)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if args.refill and len(concurrencies) != 1:
@@ -990,6 +1069,7 @@ def main() -> int:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "engine": DSV4_ENGINE if args.pair in DSV4 else {},
             "greedy_check": args.greedy_check,
+            "interleave": args.interleave,
         }
         if args.refill:
             spec |= {"refill": args.refill, "max_num_seqs": concurrencies[0]}

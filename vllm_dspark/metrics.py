@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PREFIX = "vllm:spec_decode_"
 
@@ -43,6 +43,23 @@ class SpecDecodeCounts:
             self.drafts - other.drafts,
             self.draft_tokens - other.draft_tokens,
             self.accepted_tokens - other.accepted_tokens,
+            per_position,
+        )
+
+    def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        per_position = [
+            sum(
+                c.accepted_per_position[i]
+                for c in (self, other)
+                if i < len(c.accepted_per_position)
+            )
+            for i in range(width)
+        ]
+        return SpecDecodeCounts(
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted_tokens + other.accepted_tokens,
             per_position,
         )
 
@@ -115,28 +132,31 @@ class AdmissionCounts:
     plain_per_request_us: float = 0.0  # and per request (p)
     proposals_at_depth: list[int] = field(default_factory=list)  # drafting ones, depth 1..K
 
+    # Counts accumulate; the other fields are gauges (their value now).
+    COUNTED = (
+        "proposed",
+        "admitted",
+        "steps",
+        "graph_steps",
+        "mixed_steps",
+        "depth_changes",
+        "proposals_skipped",
+        "proposals_rested",
+    )
+
+    def _combine(self, other: AdmissionCounts, sign: int) -> AdmissionCounts:
+        counts = {name: getattr(self, name) + sign * getattr(other, name) for name in self.COUNTED}
+        at_depth = zip(self.proposals_at_depth, other.proposals_at_depth, strict=True)
+        return replace(self, **counts, proposals_at_depth=[a + sign * b for a, b in at_depth])
+
     def __sub__(self, other: AdmissionCounts) -> AdmissionCounts:
-        return AdmissionCounts(
-            self.proposed - other.proposed,
-            self.admitted - other.admitted,
-            self.num_drafts,
-            self.steps - other.steps,
-            self.graph_steps - other.graph_steps,
-            self.mixed_steps - other.mixed_steps,
-            self.depth,
-            self.depth_changes - other.depth_changes,
-            self.proposals_skipped - other.proposals_skipped,
-            self.proposals_rested - other.proposals_rested,
-            self.fingerprint,
-            self.step_overhead_ms,
-            self.per_request_overhead_us,
-            self.per_draft_overhead_us,
-            self.skipped_proposal_ms,
-            self.compaction_ms,
-            self.plain_step_ms,
-            self.plain_per_request_us,
-            [a - b for a, b in zip(self.proposals_at_depth, other.proposals_at_depth, strict=True)],
-        )
+        """What was counted since ``other`` (an earlier snapshot), with this one's gauges."""
+        return self._combine(other, -1)
+
+    def __add__(self, other: AdmissionCounts) -> AdmissionCounts:
+        """Two runs' counts together (e.g. arms whose repeats were interleaved), with the
+        later run's (``other``'s) gauges."""
+        return other._combine(self, 1)
 
     @property
     def admitted_per_request(self) -> float:

@@ -360,6 +360,78 @@ def test_a_mirrored_engines_rows_are_numbered_by_pass(fake_llm, timed_arm, monke
     assert [kw["capacity"] for kw in switched] == ["sps", "off", "off", "sps"]
 
 
+def test_an_interleaved_engine_pairs_its_arms_repeats(fake_llm, monkeypatch, capsys):
+    """--interleave: repeat r of every arm (in turn, reversed on odd repeats) on the same
+    prompts before repeat r + 1 of any; rows by concurrency then arm, each with its paired
+    ratios; greedy checks name those rows."""
+    import offline_sweep
+
+    from vllm_dspark.bench import engine_control
+
+    switched = []
+    monkeypatch.setattr(engine_control, "switch_capacity", lambda llm, **kw: switched.append(kw))
+    # Each wave of arm "a" takes 1 s, of "b" 2 s; every other clock reading is 1 s apart.
+    now = itertools.count()
+    monkeypatch.setattr(
+        offline_sweep.time,
+        "perf_counter",
+        lambda: float(next(now) * (2 if switched and switched[-1]["capacity"] == "off" else 1)),
+    )
+    timed = {"a": [], "b": []}
+    timed_repeat = offline_sweep.Engine.timed_repeat
+
+    def record(engine, concurrency, repeat):
+        arm = "b" if switched[-1]["capacity"] == "off" else "a"
+        timed[arm].append((concurrency, repeat, len(fake_llm.batches)))
+        return timed_repeat(engine, concurrency, repeat)
+
+    monkeypatch.setattr(offline_sweep.Engine, "timed_repeat", record)
+    spec = {
+        "options": None,
+        "target": "t",
+        "dummy": True,
+        "prompt_len": 8,
+        "output_len": 10,
+        "concurrency": [1, 2],
+        "repeats": 3,
+        "min_requests": 1,
+        "prompts": "arithmetic",
+        "switch": [["a", {"capacity": "sps"}], ["b", {"capacity": "off"}]],
+        "interleave": True,
+        "greedy_check": True,
+    }
+    offline_sweep.run_arm_here(spec)
+    # Per concurrency: a b | b a | a b, then each row's timeline in its arm (no switch to
+    # the arm already running); then the greedy checks, arm by arm.
+    capacities = [kw["capacity"] for kw in switched]
+    assert capacities == ["sps", "off", "sps", "off", "sps", "off"] * 2 + ["sps", "off"]
+    assert [(c, r) for c, r, _ in timed["a"]] == [(c, r) for c, r, _ in timed["b"]]
+    prompts = {arm: [fake_llm.batches[i] for *_, i in runs] for arm, runs in timed.items()}
+    assert prompts["a"] == prompts["b"]
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line[4:]) for line in out if line.startswith("ROW ")]
+    assert [(row["concurrency"], row["arm"]) for row in rows] == [
+        (1, "a"),
+        (1, "b"),
+        (2, "a"),
+        (2, "b"),
+    ]
+    assert [row["paired"] for row in rows] == [{"b": 2.0}, {"a": 0.5}] * 2
+    assert rows[2]["tok_s_repeats"] == [20.0] * 3 and rows[3]["tok_s_repeats"] == [10.0] * 3
+    checks = [json.loads(line[7:])["row"] for line in out if line.startswith("GREEDY ")]
+    assert checks == [0, 2, 1, 3]
+
+
+def test_interleaving_needs_a_shared_engine(monkeypatch, tmp_path, capsys):
+    import offline_sweep
+
+    argv = ["offline_sweep.py", "--arms", "sps,budget", "--interleave", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        offline_sweep.main()
+    assert "--interleave" in capsys.readouterr().err
+
+
 def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_path):
     """A real process: rows arrive in order, a log longer than a pipe holds does not stall
     it, and a failing engine's exit code and stderr tail come back."""

@@ -1,6 +1,13 @@
+from dataclasses import replace
+
 from vllm.v1.metrics.reader import Counter, Histogram, Vector
 
-from vllm_dspark.metrics import ITERATION_TOKENS, SpecDecodeCounts, histogram_totals
+from vllm_dspark.metrics import (
+    ITERATION_TOKENS,
+    AdmissionCounts,
+    SpecDecodeCounts,
+    histogram_totals,
+)
 
 
 def snapshot(drafts, accepted, per_pos):
@@ -24,6 +31,21 @@ def test_difference_of_snapshots_gives_the_run():
     assert run.accepted_per_position == [18, 9, 3]
     assert run.acceptance_length == 2.5
     assert run.per_position_acceptance == [0.9, 0.45, 0.15]
+
+
+def test_runs_taken_in_turn_add_up_to_their_counts_with_the_later_gauges():
+    first = snapshot(30, 42, [26, 12, 4]) - snapshot(10, 12, [8, 3, 1])
+    second = snapshot(5, 4, [3, 1]) - SpecDecodeCounts()
+    both = first + second
+    assert (both.drafts, both.accepted_tokens, both.accepted_per_position) == (25, 34, [21, 10, 3])
+    earlier = AdmissionCounts(proposed=70, admitted=40, steps=10, depth=7, compaction_ms=1.0)
+    later = AdmissionCounts(proposed=7, admitted=3, steps=1, depth=5, compaction_ms=0.5)
+    earlier.proposals_at_depth, later.proposals_at_depth = [0, 10], [1, 0]
+    total = earlier + later
+    assert (total.proposed, total.admitted, total.steps) == (77, 43, 11)
+    assert (total.depth, total.compaction_ms) == (5, 0.5)  # gauges: the later run's
+    assert total.proposals_at_depth == [1, 10]
+    assert total - later == replace(earlier, depth=5, compaction_ms=0.5)
 
 
 def test_histogram_totals_add_every_engines_observations():

@@ -175,6 +175,18 @@ def test_moe_targets_hold_sps_to_the_best_speculation_free_arm_everywhere(tmp_pa
     assert against_best["measured"]["64"] == {"best_other_arm": "dspark", "ratio": 199 / 200}
     assert against_best["measured"]["256"]["ratio"] == pytest.approx(201 / 150)
     assert under_load["passes"] is True and under_load["measured"]["ratio"] == 2.01
+    # sps's repeats interleaved with its engine's own k=7: that pairing decides against
+    # both k=7 arms (no speculation still by its median).
+    fixed = shape_rows("qwen3-30b-a3b", {("dspark-fixed", 64): 201.0 * 64})
+    for paired, verdict in ((1.004, True), (0.998, False)):
+        sps = shape_rows(
+            "qwen3-30b-a3b", {("sps", 64): 199.0 * 64}, paired={"dspark-fixed": paired}
+        )
+        write(tmp_path, "moe_qwen3.json", {"rows": rows + fixed + sps})
+        (against_best, *_), _ = summarize(tmp_path, "moe")
+        assert against_best["passes"] is verdict
+        assert against_best["measured"]["64"]["ratio"] == paired
+        assert against_best["measured"]["64"]["best_other_arm"] == "dspark-fixed"
     # A concurrency not run leaves the verdict open, not met.
     del tok_s[("sps", 64)]
     write(tmp_path, "moe_qwen3.json", {"rows": shape_rows("qwen3-30b-a3b", tok_s)})

@@ -111,7 +111,9 @@
 #            shared engine), graphs to 2,048 tokens, at 1, 16, 64, 256 requests; rows
 #            {shape, arm, concurrency, tok_s, ...} in moe_qwen3.json (offline_sweep's
 #            record: setup names the shape). Third and fourth arguments: other arms, other
-#            concurrencies
+#            concurrencies; fifth, "interleave": the shared engine's arms take their
+#            repeats in turn, rows with paired ratios (offline_sweep --interleave; e.g.
+#            dspark-fixed,sps: sps against its own engine's k=7, repeat by repeat)
 #   dsv4-lossless  the tiny-dsv4 shape (DeepSeek-V4, its own DSpark module, bf16 with FP8
 #            linears, dummy weights): greedy outputs of stock DSpark k=7 and of every
 #            capacity mode verified masked (one engine, switched), then compacted with FULL
@@ -448,13 +450,14 @@ case "$stage" in
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "moe-lossless!" gates the queue
     ;;
   moe-qwen3)
+    case ${5:-} in ""|interleave) ;; *) echo "moe-qwen3: fifth argument: interleave" >&2; exit 2 ;; esac
     vllm_moe_env
     # The capacity-qwen3 sweep on the MoE target: no speculation, stock fixed k=7, then
     # the capacity modes in one shared engine.
     timeout 1500 python3 benchmarks/offline_sweep.py --pair qwen3-30b-a3b --acceptance confidence \
       --arms "${3:-nospec,dspark,sps-depth-plain,sps,budget,threshold}" --shared-engine \
       --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
-      --out "$OUT/moe_qwen3.json" 2>&1 | quiet | tee "$OUT/moe_qwen3.log" | tail -30
+      ${5:+--interleave} --out "$OUT/moe_qwen3.json" 2>&1 | quiet | tee "$OUT/moe_qwen3.log" | tail -30
     ;;
   dsv4-probe)
     vllm_dsv4_env
