@@ -187,6 +187,7 @@ def test_moe_targets_hold_sps_to_the_best_speculation_free_arm_everywhere(tmp_pa
         assert against_best["passes"] is verdict
         assert against_best["measured"]["64"]["ratio"] == paired
         assert against_best["measured"]["64"]["best_other_arm"] == "dspark-fixed"
+        assert against_best["measured"]["64"]["median_ratio"] == 199 / 201
     # A concurrency not run leaves the verdict open, not met.
     del tok_s[("sps", 64)]
     write(tmp_path, "moe_qwen3.json", {"rows": shape_rows("qwen3-30b-a3b", tok_s)})
