@@ -69,6 +69,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -1153,10 +1154,19 @@ def compare_greedy(rows: list[dict], checks: dict[int, list[list[int]]]) -> None
         }
 
 
+# The engine's log lines (vLLM logs to stdout) passed on to the sweep's own output: the
+# plugin's, and vLLM's start-up phases and their times, which say where a first engine's
+# minutes went (gpu_stage.sh's quiet() keeps the same lines).
+START_UP_LINES = re.compile(
+    r"vllm-dspark:|\btook\b|\btakes\b|finished in|compiled \d+ units|Warming up|bytecode transform"
+)
+
+
 def run_engine(spec: dict, out: Path, keep, check=None) -> tuple[int, str]:
     """One engine in a process of its own; each row goes to ``keep`` as soon as the engine
-    prints it, each --greedy-check result to ``check``. Returns the exit code and
-    :func:`failure_excerpt` of the engine's stderr."""
+    prints it, each --greedy-check result to ``check``, each :data:`START_UP_LINES` line to
+    this process's output. Returns the exit code and :func:`failure_excerpt` of the
+    engine's stderr."""
     # stderr to a file: vLLM logs more than a pipe holds while stdout is being read.
     with tempfile.TemporaryFile(mode="w+") as errors:
         with subprocess.Popen(
@@ -1167,6 +1177,8 @@ def run_engine(spec: dict, out: Path, keep, check=None) -> tuple[int, str]:
                     keep(json.loads(line[4:]))
                 elif line.startswith("GREEDY ") and check is not None:
                     check(json.loads(line[7:]))
+                elif START_UP_LINES.search(line):
+                    print(line, end="", flush=True)
         errors.seek(0)
         return engine.returncode, failure_excerpt(errors.read())
 

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -432,7 +433,7 @@ def test_interleaving_needs_a_shared_engine(monkeypatch, tmp_path, capsys):
     assert "--interleave" in capsys.readouterr().err
 
 
-def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_path):
+def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_path, capsys):
     """A real process: rows arrive in order, a log longer than a pipe holds does not stall
     it, and a failing engine's exit code and stderr tail come back."""
     import offline_sweep
@@ -443,6 +444,7 @@ def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_pa
         "print('ROW {\"concurrency\": 1}', flush=True)\n"
         "sys.stderr.write('x' * 200_000 + 'the end')\n"
         "print('not a row')\n"
+        f"print({STARTUP_LOG!r})\n"
         "print('ROW {\"concurrency\": 16}')\n"
         "sys.exit(3)\n"
     )
@@ -451,6 +453,46 @@ def test_an_engine_process_hands_over_rows_as_it_prints_them(monkeypatch, tmp_pa
     returncode, errors = offline_sweep.run_engine({}, tmp_path / "o.json", kept.append)
     assert kept == [{"concurrency": 1}, {"concurrency": 16}]
     assert returncode == 3 and errors.endswith("the end") and len(errors) == 3000
+    # Start-up phases pass through, the rest of the log does not.
+    passed = capsys.readouterr().out.splitlines()
+    assert passed == [line for line in STARTUP_LOG.splitlines() if "not passed" not in line]
+
+
+# Lines as an engine logs them (vLLM 0.26.0's own, and the plugin's).
+STARTUP_LOG = "\n".join(
+    [
+        *(
+            f"(EngineCore pid=7) INFO 12-08 03:00:00 [{where}] {message}"
+            for where, message in (
+                ("model_runner.py:306", "Model loading took 45.3 GiB and 61.2 seconds"),
+                ("default_loader.py:1", "not passed: an ordinary line"),
+                ("parallel_warmup.py:160", "vllm-dspark: DeepGEMM warmup of 31 weight shapes"),
+                ("deepseek_v4_mhc_warmup.py:200", "Warming up DeepSeek V4 mHC TileLang kernels"),
+                ("deepseek_v4_mhc_warmup.py:206", "mHC TileLang warmup finished in 60.00 seconds."),
+                ("cutedsl_warmup.py:114", "CuTeDSL warmup compiled 3 units in 9.12 s."),
+                ("model_runner.py:748", "Graph capturing finished in 56 secs, took 1.20 GiB"),
+                ("core.py:331", "init engine (profile, create kv cache, warmup model) took 180 s"),
+            )
+        ),
+        "INFO 12-08 03:03:02 [llm.py:1] not passed: the front end's line",
+    ]
+)
+
+
+def test_the_stage_log_keeps_the_start_up_lines_the_sweep_passes_on():
+    """gpu_stage.sh's quiet() drops vLLM's log lines but those of the plugin and the
+    start-up phases, the same lines run_engine passes on."""
+    stage = Path(__file__).parents[2] / "tools" / "device" / "gpu_stage.sh"
+    quiet = stage.read_text().split("quiet() {", 1)[1].split("\n}", 1)[0]
+    result = subprocess.run(
+        ["bash", "-c", f"quiet() {{{quiet}\n}}; quiet"],
+        input=STARTUP_LOG + "\n[rank0]: dropped\nROW kept\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    kept = [line for line in STARTUP_LOG.splitlines() if "not passed" not in line]
+    assert result.stdout.splitlines() == [*kept, "ROW kept"]
 
 
 LOCKSTEP_ENGINE = """

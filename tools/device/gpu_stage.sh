@@ -197,7 +197,9 @@ use_recalibrated() {
 # The engine core's own INFO/WARNING/DEBUG lines go too; its errors and tracebacks stay,
 # and so do the plugin's own lines ("vllm-dspark: ...").
 quiet() {
-  grep --line-buffered -v -P '^(?!.*vllm-dspark:)(INFO|WARNING|\(EngineCore[^)]*\) (INFO|WARNING|DEBUG)|\[)'
+  # vLLM's log lines dropped, but the plugin's and those that time a start-up phase (the
+  # lines offline_sweep.py's START_UP_LINES passes on).
+  grep --line-buffered -v -P '^(?!.*(vllm-dspark:|\btook\b|\btakes\b|finished in|compiled \d+ units|Warming up|bytecode transform))(INFO|WARNING|\(EngineCore[^)]*\) (INFO|WARNING|DEBUG)|\[)'
 }
 case "$stage" in
   kernels)
