@@ -108,6 +108,12 @@ def test_inert_unless_the_variable_is_set(stock, monkeypatch):
     monkeypatch.setenv(parallel_warmup.WORKERS_ENV, "4")
     wrapper(model, 64)
     assert (warmed, compiled) == ([64, 64], [4])
+    # vLLM's own warmup is timed either way (the serial baseline; what workers left).
+    logged = []
+    monkeypatch.setattr(parallel_warmup.logger, "info", lambda msg, *args: logged.append(msg))
+    monkeypatch.delenv(parallel_warmup.WORKERS_ENV)
+    wrapper(model, 64)
+    assert [msg.split(" took")[0] for msg in logged] == ["vllm-dspark: vLLM's DeepGEMM warmup"]
     # kernel_warmup calls the wrapper; the stock function stays behind it.
     assert original(kernel_warmup, "deep_gemm_warmup") is not kernel_warmup.deep_gemm_warmup
 

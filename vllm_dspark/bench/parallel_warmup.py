@@ -160,7 +160,18 @@ def _make_wrapper(deep_gemm_warmup):
                 _cached_kernels(),
                 before,
             )
-        return deep_gemm_warmup(model, max_tokens)
+        # Timed in every engine that wraps it: with workers, what they left to compile;
+        # without, the serial baseline they are measured against.
+        before, start = _cached_kernels(), time.monotonic()
+        result = deep_gemm_warmup(model, max_tokens)
+        logger.info(
+            "vllm-dspark: vLLM's DeepGEMM warmup took %.0f s; DeepGEMM's cache holds %d "
+            "kernels, %d before",
+            time.monotonic() - start,
+            _cached_kernels(),
+            before,
+        )
+        return result
 
     return warm_in_parallel_first
 
