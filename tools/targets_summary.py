@@ -534,16 +534,15 @@ def _speculation_free(arm: str) -> bool:
     return (ARMS.get(arm) or {}).get("dspark_capacity", "off") == "off"
 
 
-def _paired_with_fixed_k(rows: list[dict], concurrency: int) -> float | None:
-    """sps's paired ratio to the fixed k=7 of its own engine (``dspark-fixed``, repeats
-    interleaved: offline_sweep --interleave) at ``concurrency``, from the newest row that
-    has one."""
+def _paired(rows: list[dict], arm: str, concurrency: int, other: str) -> float | None:
+    """``arm``'s paired ratio to ``other`` of its own engine (repeats interleaved:
+    offline_sweep --interleave) at ``concurrency``, from the newest row that has one."""
     paired = [
-        row["paired"]["dspark-fixed"]
+        row["paired"][other]
         for row in rows
-        if row["arm"] == "sps"
+        if row["arm"] == arm
         and row["concurrency"] == concurrency
-        and "dspark-fixed" in row.get("paired", {})
+        and other in row.get("paired", {})
     ]
     return paired[-1] if paired else None
 
@@ -562,7 +561,7 @@ def moe_sps_against_the_best(record: dict) -> dict:
         rivals = {a: v for (a, c), v in tok_s.items() if c == concurrency and _speculation_free(a)}
         best = max(rivals, key=rivals.get)
         entry = {"best_other_arm": best, "ratio": tok_s[("sps", concurrency)] / rivals[best]}
-        paired = _paired_with_fixed_k(rows, concurrency)
+        paired = _paired(rows, "sps", concurrency, "dspark-fixed")
         if paired is not None:
             unpaired = [v for a, v in rivals.items() if a not in FIXED_K_ARMS]
             entry["median_ratio"] = entry["ratio"]
@@ -650,7 +649,11 @@ def dsv4_compact_lossless(record: dict) -> dict:
 
 
 def compact_sps_under_load(record: dict) -> dict:
-    tok_s = _shape_tok_s(record, DSV4_SHAPE)
+    """Compact sps at 256 requests against no speculation and masked sps; against masked
+    sps by their paired ratio where the shared engine interleaved them (--interleave),
+    the unpaired one kept as ``median_ratio``."""
+    rows = [row for row in record["rows"] if row.get("shape") == DSV4_SHAPE]
+    tok_s = mean_tok_s(rows)
     sps = tok_s.get(("sps", 256))
     rivals = {"nospec": COMPACT_UNDER_LOAD, "sps-masked": COMPACT_OVER_MASKED}
     measured = {
@@ -658,6 +661,10 @@ def compact_sps_under_load(record: dict) -> dict:
         for arm, bound in rivals.items()
         if sps and tok_s.get((arm, 256))
     }
+    paired = _paired(rows, "sps", 256, "sps-masked")
+    if paired is not None and "sps-masked" in measured:
+        masked = measured["sps-masked"]
+        masked |= {"median_ratio": masked["ratio"], "ratio": paired, "paired": True}
     return {
         "target": f"{DSV4_SHAPE}: compact sps at 256 requests >= {COMPACT_UNDER_LOAD}x no "
         f"speculation and >= {COMPACT_OVER_MASKED}x masked sps",

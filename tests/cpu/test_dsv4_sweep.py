@@ -533,6 +533,17 @@ def test_dsv4_stages_take_a_graph_mode_or_breakable_graphs_from_the_start(stage)
     assert "--cudagraph-mode" not in calls[1] and calls[1].split("|")[2] == "1"
 
 
+def test_sweep_stages_interleave_a_shared_engines_arms_only_when_asked(stage):
+    for args, position in ((("dsv4", "abc"), 7), (("moe-qwen3", "abc"), 5)):
+        _, _, calls = stage(*args)
+        assert "--interleave" not in calls[-1]
+        padded = [*args, *[""] * (position - 1 - len(args))]
+        _, _, calls = stage(*padded, "interleave")
+        assert "--interleave" in calls[-1].split("|")[0].split()
+        returncode, stderr, _ = stage(*padded, "mirror")
+        assert returncode == 2 and "interleave" in stderr
+
+
 def test_the_dsv4_stage_sweeps_the_reduced_shape_with_simulated_routing(
     stage, monkeypatch, tmp_path
 ):

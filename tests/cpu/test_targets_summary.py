@@ -220,6 +220,17 @@ def test_dsv4_targets_compare_compact_sps_with_no_speculation_masked_sps_and_fix
     assert under_load["passes"] is False  # 1.20x no speculation, but 1.09x masked sps
     assert under_load["measured"]["sps-masked"]["ratio"] == pytest.approx(1200 / 1100)
     assert under_load["measured"]["nospec"]["ratio"] == pytest.approx(1.2)
+    # The same medians, but masked and compact sps interleaved: their pairing decides.
+    rows = dsv4_rows(tok_s, greedy)
+    for row in rows:
+        if (row["arm"], row["concurrency"]) == ("sps", 256):
+            row["paired"] = {"sps-masked": 1.12}
+    write(tmp_path, "deepseek_v4.json", {"rows": rows})
+    (_, paired, _), _ = summarize(tmp_path, "dsv4-compact")
+    assert paired["passes"] is True
+    masked = paired["measured"]["sps-masked"]
+    assert masked["ratio"] == 1.12 and masked["median_ratio"] == pytest.approx(1200 / 1100)
+    write(tmp_path, "deepseek_v4.json", {"rows": dsv4_rows(tok_s, greedy)})
     assert at_one["passes"] is True and at_one["measured"]["ratio"] == 245 / 250
     (_, _, masked, table), _ = summarize(tmp_path, "moe")
     assert masked["passes"] is True  # sps, budget, threshold and acceptance, all identical

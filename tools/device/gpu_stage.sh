@@ -141,7 +141,9 @@
 #            deepseek_v4.json. Untimed so far: run it from the queue. Third, fourth and
 #            fifth arguments: other arms, other concurrencies, a CUDA-graph mode (e.g.
 #            FULL_DECODE_ONLY) or "breakable" (as dsv4-lossless's); sixth: another shape
-#            (tiny-dsv4: a first check of the sweep's DeepSeek-V4 path)
+#            (tiny-dsv4: a first check of the sweep's DeepSeek-V4 path); seventh,
+#            "interleave": the shared engine's masked and compact sps take their repeats in
+#            turn, rows with paired ratios (as moe-qwen3's fifth; greedy checks at the end)
 # MoE stages also need the MoE bundle's parts stashed (tools/device/moe_bundle.sh; set
 # qwen3 for the Qwen3 MoE stages, dsv4 for the DeepSeek-V4 ones).
 # vLLM stages expect the bundle parts stashed (tools/device/bundle.sh). COMMIT names the
@@ -481,6 +483,7 @@ case "$stage" in
     exit "${PIPESTATUS[0]}"  # pytest's status, so that "dsv4-lossless!" gates the queue
     ;;
   dsv4)
+    case ${7:-} in ""|interleave) ;; *) echo "dsv4: seventh argument: interleave" >&2; exit 2 ;; esac
     vllm_dsv4_env
     dsv4_graphs "${5:-}"
     # Dummy routers send every token to the same few experts (docs/design/deepseek-v4.md):
@@ -489,7 +492,7 @@ case "$stage" in
     timeout 3600 python3 benchmarks/offline_sweep.py --pair "${6:-dsv4-flash-reduced}" --acceptance confidence \
       --arms "${3:-nospec,sps-masked,sps,dspark}" --shared-engine \
       --greedy-check --min-requests 32 --graphs-to 2048 --concurrency "${4:-1,16,64,256}" \
-      ${graph_mode:+--cudagraph-mode "$graph_mode"} --out "$OUT/deepseek_v4.json" 2>&1 \
+      ${graph_mode:+--cudagraph-mode "$graph_mode"} ${7:+--interleave} --out "$OUT/deepseek_v4.json" 2>&1 \
       | quiet | tee "$OUT/deepseek_v4.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
