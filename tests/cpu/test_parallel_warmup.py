@@ -132,6 +132,19 @@ def test_a_failed_worker_leaves_the_stock_warmup_to_compile(stock, monkeypatch):
     assert warmed == [64]
 
 
+def test_a_failure_before_the_workers_start_leaves_the_stock_warmup_to_compile(stock, monkeypatch):
+    _, model = stock
+    monkeypatch.setenv(parallel_warmup.WORKERS_ENV, "2")
+
+    def broken(*args):
+        raise OSError("no processes here")
+
+    monkeypatch.setattr(parallel_warmup, "compile_in_parallel", broken)
+    warmed = []
+    parallel_warmup._make_wrapper(lambda model, max_tokens: warmed.append(max_tokens))(model, 64)
+    assert warmed == [64]
+
+
 def test_tensor_parallel_ranks_split_the_shares(monkeypatch):
     """Rank 1 of 2 runs shares 1 and 3 of 4, on its own GPU."""
     import json

@@ -143,23 +143,34 @@ def _cached_kernels() -> int:
     return len(list(cache.iterdir())) if cache.is_dir() else 0
 
 
+def _compile_first(model, max_tokens: int, workers: int) -> None:
+    jobs = gemm_jobs(model, max_tokens)
+    if not jobs:
+        return
+    before, start = _cached_kernels(), time.monotonic()
+    codes = compile_in_parallel(jobs, workers, _current_device())
+    logger.info(
+        "vllm-dspark: DeepGEMM warmup of %d weight shapes in %d processes took "
+        "%.0f s (exit codes %s); DeepGEMM's cache holds %d kernels, %d before",
+        len(jobs),
+        len(codes),
+        time.monotonic() - start,
+        codes,
+        _cached_kernels(),
+        before,
+    )
+
+
 def _make_wrapper(deep_gemm_warmup):
     def warm_in_parallel_first(model, max_tokens: int):
         workers = int(os.environ.get(WORKERS_ENV, "0"))
-        jobs = gemm_jobs(model, max_tokens) if workers > 1 else []
-        if jobs:
-            before, start = _cached_kernels(), time.monotonic()
-            codes = compile_in_parallel(jobs, workers, _current_device())
-            logger.info(
-                "vllm-dspark: DeepGEMM warmup of %d weight shapes in %d processes took "
-                "%.0f s (exit codes %s); DeepGEMM's cache holds %d kernels, %d before",
-                len(jobs),
-                len(codes),
-                time.monotonic() - start,
-                codes,
-                _cached_kernels(),
-                before,
-            )
+        if workers > 1:
+            # A speed-up only: whatever goes wrong here leaves the compiling to the stock
+            # warmup below, never stops the engine.
+            try:
+                _compile_first(model, max_tokens, workers)
+            except Exception:
+                logger.exception("vllm-dspark: DeepGEMM's parallel warmup failed")
         # Timed in every engine that wraps it: with workers, what they left to compile;
         # without, the serial baseline they are measured against.
         before, start = _cached_kernels(), time.monotonic()
