@@ -13,8 +13,8 @@ DeepGEMM renames each finished kernel into place, as tensor-parallel ranks rely 
 start no earlier than the warmup, once the KV cache is sized, so that their GPU memory
 changes no engine's KV cache.
 How: benchmarks only; :mod:`.dummy_weights` (the dummy-weight engines' worker extension)
-applies it, and it stays inert unless the variable is above 1. A worker that fails costs
-only its time: the stock warmup compiles whatever is missing.
+applies it, and it stays inert unless the variable is above 1. A worker that fails, or a
+failure before any starts, costs only its time: the stock warmup compiles what is missing.
 Upstream: none; vLLM 0.26.0 warms DeepGEMM serially.
 Remove when: vLLM or DeepGEMM compiles a warmup's kernels in parallel.
 """
