@@ -68,6 +68,7 @@ import datetime
 import functools
 import itertools
 import json
+import operator
 import os
 import re
 import statistics
@@ -471,9 +472,7 @@ class Engine:
 
     def since(self, before: tuple) -> tuple:
         """What the counters (:meth:`counters`) counted since ``before``."""
-        after = self.counters()
-        per_rank = [a - b for a, b in zip(after[4], before[4], strict=True)]
-        return (*(a - b for a, b in zip(after[:4], before[:4], strict=True)), per_rank)
+        return combine_counted(operator.sub, self.counters(), before)
 
     def begin(self, concurrency: int) -> tuple:
         """Before a concurrency's repeats: a short warm-up at that batch size (a batch size
@@ -570,10 +569,12 @@ class Engine:
         return [list(out.outputs[0].token_ids) for out in outputs]
 
 
-def add_counted(first: tuple, second: tuple) -> tuple:
-    """Two runs' counts (:meth:`Engine.since`) together: an arm's interleaved repeats."""
-    per_rank = [a + b for a, b in zip(first[4], second[4], strict=True)]
-    return (*(a + b for a, b in zip(first[:4], second[:4], strict=True)), per_rank)
+def combine_counted(op, first: tuple, second: tuple) -> tuple:
+    """Two tuples of :meth:`Engine.counters` combined field by field (the last, per rank):
+    ``operator.sub`` for what a run counted, ``operator.add`` for two runs' counts
+    together (an arm's interleaved repeats)."""
+    per_rank = [op(a, b) for a, b in zip(first[4], second[4], strict=True)]
+    return (*(op(a, b) for a, b in zip(first[:4], second[:4], strict=True)), per_rank)
 
 
 def _worker_accept_by_target(worker, target: bool) -> bool:
@@ -673,7 +674,9 @@ def run_interleaved(engine: Engine, spec: dict) -> None:
                 before = engine.counters()
                 tok_s[name].append(engine.timed_repeat(concurrency, repeat))
                 since = engine.since(before)
-                counted[name] = add_counted(counted[name], since) if name in counted else since
+                if name in counted:
+                    since = combine_counted(operator.add, counted[name], since)
+                counted[name] = since
                 seconds[name] += time.monotonic() - measuring
         for name, updates in switch:
             measuring = time.monotonic()

@@ -525,8 +525,12 @@ def phases_add_up(record: dict) -> dict:
     }
 
 
+def _shape_rows(record: dict, shape: str) -> list[dict]:
+    return [row for row in record["rows"] if row.get("shape") == shape]
+
+
 def _shape_tok_s(record: dict, shape: str) -> dict[tuple[str, int], float]:
-    return mean_tok_s([row for row in record["rows"] if row.get("shape") == shape])
+    return mean_tok_s(_shape_rows(record, shape))
 
 
 def _speculation_free(arm: str) -> bool:
@@ -554,7 +558,7 @@ def moe_sps_against_the_best(record: dict) -> dict:
     sps's repeats were interleaved with the latter's, that paired ratio stands for both
     (``paired_with_fixed_k``; ``median_ratio`` keeps the unpaired one), since two engines
     of one arm differ by up to 2.5% (the embedded pair, 55bf4da: docs/results.md)."""
-    rows = [row for row in record["rows"] if row.get("shape") == MOE_SHAPE]
+    rows = _shape_rows(record, MOE_SHAPE)
     tok_s = mean_tok_s(rows)
     measured = {}
     for concurrency in sorted({c for arm, c in tok_s if arm == "sps"}):
@@ -652,7 +656,7 @@ def compact_sps_under_load(record: dict) -> dict:
     """Compact sps at 256 requests against no speculation and masked sps; against masked
     sps by their paired ratio where the shared engine interleaved them (--interleave),
     the unpaired one kept as ``median_ratio``."""
-    rows = [row for row in record["rows"] if row.get("shape") == DSV4_SHAPE]
+    rows = _shape_rows(record, DSV4_SHAPE)
     tok_s = mean_tok_s(rows)
     sps = tok_s.get(("sps", 256))
     rivals = {"nospec": COMPACT_UNDER_LOAD, "sps-masked": COMPACT_OVER_MASKED}

@@ -34,34 +34,24 @@ class SpecDecodeCounts:
                     counts.accepted_per_position[i] += value
         return counts
 
-    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
-        per_position = [
-            a - (other.accepted_per_position[i] if i < len(other.accepted_per_position) else 0)
-            for i, a in enumerate(self.accepted_per_position)
-        ]
+    def _combine(self, other: SpecDecodeCounts, sign: int, width: int) -> SpecDecodeCounts:
+        def at(counts: SpecDecodeCounts, i: int) -> int:
+            positions = counts.accepted_per_position
+            return positions[i] if i < len(positions) else 0
+
         return SpecDecodeCounts(
-            self.drafts - other.drafts,
-            self.draft_tokens - other.draft_tokens,
-            self.accepted_tokens - other.accepted_tokens,
-            per_position,
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted_tokens + sign * other.accepted_tokens,
+            [at(self, i) + sign * at(other, i) for i in range(width)],
         )
+
+    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        return self._combine(other, -1, len(self.accepted_per_position))
 
     def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        per_position = [
-            sum(
-                c.accepted_per_position[i]
-                for c in (self, other)
-                if i < len(c.accepted_per_position)
-            )
-            for i in range(width)
-        ]
-        return SpecDecodeCounts(
-            self.drafts + other.drafts,
-            self.draft_tokens + other.draft_tokens,
-            self.accepted_tokens + other.accepted_tokens,
-            per_position,
-        )
+        return self._combine(other, 1, width)
 
     @property
     def acceptance_length(self) -> float:
